@@ -1,0 +1,33 @@
+# scalestudy: `make demo` runs the quick-start study, `make test` the test suite.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv demo test test-fast bench clean
+
+venv: $(STAMP)
+
+# torch first, pinned to the CPU build available locally: an unpinned resolve of the project's
+# dependencies would pull a multi-GB CUDA wheel.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m scalestudy.demo experiments/quickstart.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests -q
+
+# Unit and validation tests only (seconds): no Ray, no DeepSpeed.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests/unit tests/validation -q
+
+bench: $(STAMP)
+	$(BIN)/python -m tests.bench.overhead
+
+clean:
+	rm -rf results reports mlflow.db

@@ -1,0 +1,150 @@
+"""Metric names and the TrialResult schema shared by measured and predicted trials.
+
+Every other module refers to metrics through these constants, so a renamed metric is renamed once.
+A metric that could not be measured is NaN and ``missing[name]`` says why.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scalestudy.spec.study import TrialConfig
+
+NAN = float("nan")
+
+# Throughput and utilization
+STEP_TIME_S = "step_time_s"
+STEP_TIME_P90_S = "step_time_p90_s"
+TOKENS_PER_S = "tokens_per_s"
+TOKENS_PER_S_PER_DEVICE = "tokens_per_s_per_device"
+MODEL_TFLOPS_PER_DEVICE = "model_tflops_per_device"
+MFU = "mfu"
+HFU = "hfu"
+# Communication (per optimizer step)
+COMM_TIME_S = "comm_time_s"
+COMM_EXPOSED_S = "comm_exposed_s"
+COMM_EXPOSED_FRACTION = "comm_exposed_fraction"
+# Memory
+PEAK_MEMORY_GIB = "peak_memory_gib"
+# Energy: measured ...
+POWER_W = "power_w"
+ENERGY_J = "energy_j"
+ENERGY_PER_TOKEN_J = "energy_per_token_j"
+TOKENS_PER_J = "tokens_per_j"
+# ... and modelled (never mixed with the measured ones)
+POWER_W_ESTIMATED = "power_w_estimated"
+ENERGY_J_ESTIMATED = "energy_j_estimated"
+ENERGY_PER_TOKEN_J_ESTIMATED = "energy_per_token_j_estimated"
+TOKENS_PER_J_ESTIMATED = "tokens_per_j_estimated"
+# Training signal
+LOSS_FIRST = "loss_first"
+LOSS_LAST = "loss_last"
+# Cost of the trial itself
+WALL_TIME_S = "wall_time_s"
+TIME_TO_FIRST_STEP_S = "time_to_first_step_s"
+
+SCALAR_METRICS: tuple[str, ...] = (
+    STEP_TIME_S, STEP_TIME_P90_S, TOKENS_PER_S, TOKENS_PER_S_PER_DEVICE, MODEL_TFLOPS_PER_DEVICE,
+    MFU, HFU, COMM_TIME_S, COMM_EXPOSED_S, COMM_EXPOSED_FRACTION, PEAK_MEMORY_GIB,
+    POWER_W, ENERGY_J, ENERGY_PER_TOKEN_J, TOKENS_PER_J,
+    POWER_W_ESTIMATED, ENERGY_J_ESTIMATED, ENERGY_PER_TOKEN_J_ESTIMATED, TOKENS_PER_J_ESTIMATED,
+    LOSS_FIRST, LOSS_LAST, WALL_TIME_S, TIME_TO_FIRST_STEP_S,
+)
+
+
+class Status(str, Enum):
+    completed = "completed"
+    failed = "failed"
+    infeasible = "infeasible"
+    timeout = "timeout"
+
+
+class CollectiveStats(BaseModel):
+    """One collective kind, per optimizer step, averaged over the profiled window."""
+
+    model_config = ConfigDict(extra="forbid")
+    count: float
+    bytes: float
+    time_s: float
+    algbw_gbps: float = NAN
+    busbw_gbps: float = NAN
+
+
+class TrialResult(BaseModel):
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
+
+    # Config (TrialConfig.config_fields)
+    study: str
+    trial_id: str
+    backend: str
+    model: str
+    hardware: str
+    world_size: int
+    nodes: int
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    seq_len: int
+    precision: str
+    activation_checkpointing: bool
+    seed: int
+    learning_rate: float
+    trial_timeout_s: float
+    steps_warmup: int
+    steps_measure: int
+    steps_profile: int
+
+    status: Status
+    reason: str | None = None
+
+    step_time_s: float = NAN
+    step_time_p90_s: float = NAN
+    tokens_per_s: float = NAN
+    tokens_per_s_per_device: float = NAN
+    model_tflops_per_device: float = NAN
+    mfu: float = NAN
+    hfu: float = NAN
+    comm_time_s: float = NAN
+    comm_exposed_s: float = NAN
+    comm_exposed_fraction: float = NAN
+    comm: dict[str, CollectiveStats] = Field(default_factory=dict)
+    peak_memory_gib: float = NAN
+    memory_source: str | None = None
+    power_w: float = NAN
+    energy_j: float = NAN
+    energy_per_token_j: float = NAN
+    tokens_per_j: float = NAN
+    energy_source: str = "none"
+    power_w_estimated: float = NAN
+    energy_j_estimated: float = NAN
+    energy_per_token_j_estimated: float = NAN
+    tokens_per_j_estimated: float = NAN
+    loss_first: float = NAN
+    loss_last: float = NAN
+    wall_time_s: float = NAN
+    time_to_first_step_s: float = NAN
+    step_times_s: list[float] = Field(default_factory=list)
+    losses: list[float] = Field(default_factory=list)
+    missing: dict[str, str] = Field(default_factory=dict)  # metric -> why it is NaN
+    extra: dict[str, Any] = Field(default_factory=dict)  # backend-specific details (e.g. ds config)
+
+    @classmethod
+    def from_config(cls, cfg: TrialConfig, status: Status, **fields: Any) -> TrialResult:
+        return cls(**cfg.config_fields(), status=status, **fields)
+
+    def scalar_metrics(self) -> dict[str, float]:
+        """Finite scalar metrics plus flattened per-collective ones (`comm/<kind>/<stat>`)."""
+        out = {m: getattr(self, m) for m in SCALAR_METRICS if math.isfinite(getattr(self, m))}
+        for kind, stats in self.comm.items():
+            for stat, value in stats.model_dump().items():
+                if math.isfinite(value):
+                    out[f"comm/{kind}/{stat}"] = value
+        return out

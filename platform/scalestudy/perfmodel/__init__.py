@@ -1,0 +1,1 @@
+"""Analytical performance model. Pure Python: imports neither torch nor ray (a test enforces it)."""

@@ -1,0 +1,138 @@
+"""Model and hardware catalogues: dimensions and device figures as typed data.
+
+Parameter counts are derived from the dimensions so they cannot drift from the architecture.
+"""
+
+from __future__ import annotations
+
+import functools
+from enum import Enum
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+
+_HERE = Path(__file__).parent
+
+
+class Precision(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+    @property
+    def bytes(self) -> int:
+        return 4 if self is Precision.fp32 else 2
+
+
+class ModelDims(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    architecture: Literal["llama", "gpt"] = "llama"
+    hidden_size: PositiveInt
+    num_layers: PositiveInt
+    num_heads: PositiveInt
+    num_kv_heads: PositiveInt | None = None  # None: multi-head attention (= num_heads)
+    ffn_hidden_size: PositiveInt | None = None  # None: 4h (gpt) or Llama's 8/3 h rounded to 256
+    vocab_size: PositiveInt = 32000
+    max_seq_len: PositiveInt = 4096
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.architecture == "gpt":
+            return 4 * self.hidden_size
+        return 256 * ((int(8 * self.hidden_size / 3) + 255) // 256)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer block."""
+        h, f = self.hidden_size, self.ffn
+        kv = self.kv_heads * self.head_dim
+        if self.architecture == "llama":
+            attn = h * h + 2 * h * kv + h * h  # q, k, v (GQA-narrowed), o; no biases
+            mlp = 3 * h * f  # gate, up, down (SwiGLU)
+            norms = 2 * h  # RMSNorm weights
+        else:
+            attn = (h * h + 2 * h * kv + h * h) + (h + 2 * kv + h)  # with biases
+            mlp = 2 * h * f + f + h
+            norms = 2 * 2 * h  # LayerNorm weight + bias
+        return attn + mlp + norms
+
+    def embedding_params(self) -> int:
+        """Lookup tables (token, and learned positions for gpt): no matmul FLOPs."""
+        pos = self.max_seq_len * self.hidden_size if self.architecture == "gpt" else 0
+        return self.vocab_size * self.hidden_size + pos
+
+    def lm_head_params(self) -> int:
+        """Output projection weights stored separately (0 when tied to the embedding, as in GPT)."""
+        return 0 if self.architecture == "gpt" else self.vocab_size * self.hidden_size
+
+    def num_params(self) -> int:
+        final_norm = self.hidden_size * (2 if self.architecture == "gpt" else 1)
+        return (
+            self.embedding_params()
+            + self.num_layers * self.layer_params()
+            + final_norm
+            + self.lm_head_params()
+        )
+
+
+class HardwareProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    kind: Literal["gpu", "cpu"]
+    description: str = ""
+    peak_tflops: dict[Precision, PositiveFloat]
+    hbm_gib: PositiveFloat
+    hbm_gbps: PositiveFloat
+    gpus_per_node: PositiveInt
+    nvlink_gbps_per_gpu: PositiveFloat
+    network_gbps_per_gpu: PositiveFloat
+    tdp_w: PositiveFloat
+    idle_w: float = Field(ge=0)
+    node_overhead_w: float = Field(ge=0)
+    # Filled by `scalestudy calibrate`/`fit`; the performance model reads them when present.
+    calibration: dict[str, float | list[list[float]]] = Field(default_factory=dict)
+
+    def peak_flops(self, precision: Precision) -> float:
+        return self.peak_tflops[precision] * 1e12
+
+
+@functools.cache
+def _load(name: str) -> dict:
+    with open(_HERE / name) as f:
+        return yaml.safe_load(f)
+
+
+def model_names() -> list[str]:
+    return list(_load("models.yaml"))
+
+
+def hardware_names() -> list[str]:
+    return list(_load("hardware.yaml"))
+
+
+def get_model(name: str) -> ModelDims:
+    return ModelDims(**_load("models.yaml")[name])
+
+
+def get_hardware(name: str) -> HardwareProfile:
+    return HardwareProfile(name=name, **_load("hardware.yaml")[name])
+
+
+def load_hardware_file(path: Path) -> HardwareProfile:
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    data.setdefault("name", path.stem)
+    return HardwareProfile(**data)

@@ -1,0 +1,17 @@
+"""The one error type users see for bad input: a single line naming field, value and fix."""
+
+
+class SpecError(ValueError):
+    """Invalid study spec or trial. ``str(err)`` is the whole user-facing message (one line)."""
+
+    def __init__(self, field: str, value: object, fix: str, source: str | None = None):
+        self.field = field
+        self.value = value
+        self.fix = fix
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}{field}: invalid value {value!r}: {fix}")
+
+
+class InfeasibleTrial(ValueError):
+    """A trial of a valid spec that cannot run (degrees do not divide, memory too small)."""

@@ -1,0 +1,106 @@
+"""Load a study YAML (with command-line overrides) into a validated StudySpec.
+
+Every failure becomes one SpecError line: the field, the bad value and what would be valid.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from scalestudy.spec.errors import SpecError
+from scalestudy.spec.study import PlannedTrial, StudySpec, expand
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` strings -> nested dict; VALUE is YAML (`[1, 2]`, `fp32`, `null` all work)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise SpecError("--set", pair, "write KEY=VALUE, e.g. --set world_size=2")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def _merge(base: dict, over: dict) -> dict:
+    merged = dict(base)
+    for k, v in over.items():
+        merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    return merged
+
+
+def _format_error(err: dict, data: dict) -> SpecError:
+    loc = err["loc"]
+    field = ".".join(str(p) for p in loc if not isinstance(p, int))
+    idx = [p for p in loc if isinstance(p, int)]
+    if idx and field:
+        field = f"{field}[{idx[0]}]"
+    if err["type"] == "extra_forbidden":
+        parent = StudySpec
+        valid = [k for k in parent.model_fields if k != "spec_dir"]
+        if len(loc) > 1:
+            sub = StudySpec.model_fields.get(str(loc[0]))
+            ann = getattr(sub, "annotation", None)
+            valid = list(getattr(ann, "model_fields", {}) or valid)
+        return SpecError(
+            field, err["input"], f"unknown key; valid keys here are {', '.join(valid)}"
+        )
+    if err["type"] == "missing":
+        return SpecError(field, None, "required key is missing")
+    msg = err["msg"].removeprefix("Value error, ")
+    return SpecError(field or "spec", err.get("input"), msg)
+
+
+def load_spec_data(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise SpecError("spec", str(path), "file not found; give the path of a study YAML")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise SpecError(
+            f"YAML{line}", path.name, f"malformed YAML ({problem}); fix the syntax there",
+            source=str(path),
+        ) from None
+    if not isinstance(data, dict):
+        raise SpecError("spec", type(data).__name__, "a study YAML must be a mapping of keys")
+    return data
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> StudySpec:
+    path = Path(path)
+    data = _merge(load_spec_data(path), parse_overrides(overrides or []))
+    return validate_spec(data, spec_dir=path.parent, source=str(path))
+
+
+def validate_spec(data: dict[str, Any], spec_dir: Path | None = None, source: str | None = None) -> StudySpec:
+    try:
+        return StudySpec.model_validate({"spec_dir": spec_dir, **data} if spec_dir else data)
+    except ValidationError as err:
+        e = _format_error(err.errors()[0], data)
+        raise SpecError(e.field, e.value, e.fix, source=source) from None
+
+
+def plan(spec: StudySpec) -> list[PlannedTrial]:
+    """Expand the grid; a spec none of whose trials can run is an error of the spec."""
+    planned = expand(spec)
+    if not any(p.config for p in planned):
+        reasons = sorted({p.reason for p in planned if p.reason})
+        raise SpecError(
+            "spec", spec.name, f"no trial can run: {'; '.join(reasons)}"
+        )
+    return planned

@@ -1,0 +1,111 @@
+"""The per-worker training loop that Ray Train runs in every rank.
+
+Warm-up steps, then the timed window. Nothing in the timed window syncs the host except the one
+device synchronisation that closes each step's timer; losses stay on the device until the end.
+Rank 0 reports one summary, reduced across ranks, through a checkpoint (Ray Train v2 only returns
+metrics that came with a checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+SUMMARY_FILE = "summary.json"
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    from scalestudy.spec.study import TrialConfig
+
+    cfg = TrialConfig.model_validate(config["trial"])
+    if cfg.hardware_profile.kind == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+    import deepspeed
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from scalestudy.measure.memory import peak_memory_gib, reset_peak
+    from scalestudy.parallel.deepspeed_config import deepspeed_config
+    from scalestudy.train.data import global_batch, micro_batch_slice
+    from scalestudy.train.model_factory import build_model
+
+    backend = "nccl" if cfg.hardware_profile.kind == "gpu" else "gloo"
+    deepspeed.init_distributed(dist_backend=backend)
+    rank = dist.get_rank()
+    if backend == "nccl":
+        device = torch.device("cuda", ray.train.get_context().get_local_rank())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)  # one core per worker: the cpu-local "device"
+
+    ds_config = deepspeed_config(cfg)
+    model = build_model(cfg.model_dims, cfg.seed, cfg.activation_checkpointing)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config
+    )
+    dp_rank = rank // cfg.tp  # ranks form arange(world).view(dp, tp): tp groups are consecutive
+
+    def one_step(step: int) -> torch.Tensor:
+        batch = global_batch(step, cfg.global_batch, cfg.seq_len, cfg.model_dims.vocab_size, cfg.seed)
+        total = torch.zeros((), device=device)
+        for k in range(cfg.grad_accum):
+            ids = micro_batch_slice(batch, k, dp_rank, cfg.dp, cfg.micro_batch).to(device)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        return total / cfg.grad_accum
+
+    n_steps = cfg.steps.warmup + cfg.steps.measure
+    losses = []
+    step_times = []
+    first_measured_wall = None
+    for step in range(n_steps):
+        if step == cfg.steps.warmup:
+            reset_peak()
+            first_measured_wall = time.time()
+        _sync(device)
+        t = time.perf_counter()
+        losses.append(one_step(step))
+        _sync(device)
+        if step >= cfg.steps.warmup:
+            step_times.append(time.perf_counter() - t)
+
+    # One reduction after the loop: the slowest rank sets each step's time, losses average.
+    times = torch.tensor(step_times, dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    loss_t = torch.stack(losses).to(torch.float64)
+    dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
+    loss_t /= dist.get_world_size()
+    peak, source = peak_memory_gib()
+    peak_t = torch.tensor([peak], dtype=torch.float64, device=device)
+    dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+
+    summary = {
+        "step_times_s": times.cpu().tolist(),
+        "losses": loss_t.cpu().tolist(),
+        "peak_memory_gib": float(peak_t.item()),
+        "memory_source": source,
+        "first_measured_step_wall": first_measured_wall,
+        "deepspeed_config": ds_config,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = None
+        if rank == 0:
+            with open(os.path.join(tmp, SUMMARY_FILE), "w") as f:
+                json.dump(summary, f)
+            checkpoint = ray.train.Checkpoint.from_directory(tmp)
+        ray.train.report({"done": 1}, checkpoint=checkpoint)
