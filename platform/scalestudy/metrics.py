@@ -28,6 +28,13 @@ HFU = "hfu"
 COMM_TIME_S = "comm_time_s"
 COMM_EXPOSED_S = "comm_exposed_s"
 COMM_EXPOSED_FRACTION = "comm_exposed_fraction"
+# Step-time breakdown (the performance model fills them; step = compute + exposed comm + bubble)
+COMPUTE_TIME_S = "compute_time_s"
+BUBBLE_TIME_S = "bubble_time_s"
+STEP_TIME_S_PROFILED = "step_time_s_profiled"  # profiled window, perturbed: never for throughput
+# Device busy-ness over the timed window: NVML utilization % (GPU) / CPU-seconds per wall second (CPU)
+DEVICE_UTILIZATION_PCT = "device_utilization_pct"
+CPU_UTILIZATION_CORES = "cpu_utilization_cores"
 # Memory
 PEAK_MEMORY_GIB = "peak_memory_gib"
 # Energy: measured ...
@@ -49,7 +56,9 @@ TIME_TO_FIRST_STEP_S = "time_to_first_step_s"
 
 SCALAR_METRICS: tuple[str, ...] = (
     STEP_TIME_S, STEP_TIME_P90_S, TOKENS_PER_S, TOKENS_PER_S_PER_DEVICE, MODEL_TFLOPS_PER_DEVICE,
-    MFU, HFU, COMM_TIME_S, COMM_EXPOSED_S, COMM_EXPOSED_FRACTION, PEAK_MEMORY_GIB,
+    MFU, HFU, COMM_TIME_S, COMM_EXPOSED_S, COMM_EXPOSED_FRACTION, COMPUTE_TIME_S, BUBBLE_TIME_S,
+    STEP_TIME_S_PROFILED,
+    DEVICE_UTILIZATION_PCT, CPU_UTILIZATION_CORES, PEAK_MEMORY_GIB,
     POWER_W, ENERGY_J, ENERGY_PER_TOKEN_J, TOKENS_PER_J,
     POWER_W_ESTIMATED, ENERGY_J_ESTIMATED, ENERGY_PER_TOKEN_J_ESTIMATED, TOKENS_PER_J_ESTIMATED,
     LOSS_FIRST, LOSS_LAST, WALL_TIME_S, TIME_TO_FIRST_STEP_S,
@@ -115,7 +124,12 @@ class TrialResult(BaseModel):
     comm_time_s: float = NAN
     comm_exposed_s: float = NAN
     comm_exposed_fraction: float = NAN
+    compute_time_s: float = NAN
+    bubble_time_s: float = NAN
     comm: dict[str, CollectiveStats] = Field(default_factory=dict)
+    step_time_s_profiled: float = NAN
+    device_utilization_pct: float = NAN
+    cpu_utilization_cores: float = NAN
     peak_memory_gib: float = NAN
     memory_source: str | None = None
     power_w: float = NAN
