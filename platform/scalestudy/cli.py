@@ -57,7 +57,7 @@ def validate(spec: SpecArg, set_: SetOpt = None) -> None:
     rows = []
     for p in planned:
         row = dict(p.axes)
-        if p.config:
+        if p.feasible:
             c = p.config
             row.update(trial=c.run_name, dp=c.dp, grad_accum=c.grad_accum,
                        global_batch=c.global_batch, tokens_per_step=c.tokens_per_step,
@@ -65,7 +65,7 @@ def validate(spec: SpecArg, set_: SetOpt = None) -> None:
         else:
             row.update(trial="-", status=f"infeasible: {p.reason}")
         rows.append(row)
-    n_ok = sum(1 for p in planned if p.config)
+    n_ok = sum(1 for p in planned if p.feasible)
     out.print(f"{spec}: {len(planned)} trials ({n_ok} runnable, {len(planned) - n_ok} infeasible)")
     cols = ["trial", "model", "hardware", "world_size", "dp", "tp", "pp", "zero_stage",
             "micro_batch", "grad_accum", "global_batch", "seq_len", "precision",
@@ -79,12 +79,12 @@ RESULT_COLUMNS = ["trial", "status", "world_size", "dp", "tp", "zero_stage", "mi
 
 
 def result_rows(results) -> list[dict]:
-    from scalestudy.spec.study import TrialConfig  # noqa: F401 - keeps import cost out of --help
+    from scalestudy.spec.study import trial_name
 
     rows = []
     for r in results:
         row = r.model_dump()
-        row["trial"] = f"ws{r.world_size}-tp{r.tp}-z{r.zero_stage}-mb{r.micro_batch}"
+        row["trial"] = trial_name(r)
         row["status"] = r.status.value
         rows.append(row)
     return rows
@@ -122,6 +122,175 @@ def run(
         out.print(_trial_table(result_rows([result]), RESULT_COLUMNS, title=cfg.study))
     if result.status.value != "completed":
         raise typer.Exit(1)
+
+
+@app.command()
+def sweep(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    resume: Annotated[bool, typer.Option("--resume", help="skip trials already in the ledger")] = False,
+    max_concurrent: Annotated[Optional[int], typer.Option("--max-concurrent", min=1,
+                              help="trials at once (default: what the cluster's devices hold)")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="print one TrialResult JSON per line")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", help="show Ray's and Tune's output")] = False,
+) -> None:
+    """Run every trial of a study (Ray Tune x Ray Train x DeepSpeed, or the performance model)
+    into the Parquet ledger and MLflow."""
+    from scalestudy.spec.load import load_spec, plan
+    from scalestudy.sweep.driver import run_sweep, sorted_for_table
+
+    try:
+        study = load_spec(spec, set_)
+        planned = plan(study)
+    except SpecError as e:
+        _fail(e)
+    outcome = run_sweep(study, planned, spec.read_text(), resume=resume,
+                        max_concurrent=max_concurrent, show_progress=not json_, verbose=verbose)
+    if json_:
+        for r in outcome.results:
+            sys.stdout.write(r.model_dump_json() + "\n")
+        return
+    rows = result_rows(sorted_for_table(outcome.results))
+    out.print(_trial_table(rows, RESULT_COLUMNS, title=f"{study.name}: {len(rows)} trials run, "
+                           f"{outcome.skipped} skipped (already in the ledger)"))
+    out.print(f"ledger: {outcome.ledger}")
+    if outcome.mlflow_error:
+        out.print(f"MLflow: {outcome.mlflow_error}; upload later with "
+                  f"`scalestudy sync-mlflow {study.name}`")
+    else:
+        out.print(f"review: mlflow ui --backend-store-uri {outcome.mlflow_uri} --host 127.0.0.1")
+    out.print(f"sweep wall time: {outcome.wall_time_s:.1f} s")
+
+
+@app.command("sync-mlflow")
+def sync_mlflow_cmd(
+    study: Annotated[str, typer.Argument(help="study name (results/<study>/trials.parquet)")],
+    tracking_uri: Annotated[Optional[str], typer.Option("--tracking-uri",
+                            help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")] = None,
+) -> None:
+    """Log ledger rows that are missing from MLflow."""
+    from scalestudy.track.ledger import ledger_path
+    from scalestudy.track.mlflow_writer import tracking_uri as resolve_uri
+    from scalestudy.track.sync import sync_mlflow
+
+    if not ledger_path(study).exists():
+        _fail(SpecError("study", study, f"no ledger at {ledger_path(study)}; run `scalestudy sweep` first"))
+    logged, error = sync_mlflow(study, resolve_uri(tracking_uri))
+    out.print(f"logged {logged} runs" + (f"; stopped: {error}" if error else ""))
+    if error:
+        raise typer.Exit(1)
+
+
+@app.command()
+def report(
+    study: Annotated[str, typer.Argument(help="study name (its ledger, else its MLflow experiment)")],
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="default: reports/<study>/")] = None,
+    tracking_uri: Annotated[Optional[str], typer.Option("--tracking-uri",
+                            help="default: the spec's, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")] = None,
+) -> None:
+    """Figures + a self-contained HTML report of a study; prints the path of report.html."""
+    from scalestudy_analysis.load import StudyNotFound
+    from scalestudy_analysis.report import report_study
+
+    try:
+        rep = report_study(study, out_dir, tracking_uri=tracking_uri)
+    except StudyNotFound as e:
+        _fail(SpecError("study", study, f"{e}; run `scalestudy sweep` on its spec first"))
+    for note in rep.notes:
+        err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+    sys.stdout.write(f"{rep.path}\n")
+
+
+PREDICT_COLUMNS = ["trial", "status", "model", "hardware", "world_size", "dp", "tp", "pp",
+                   "zero_stage", "micro_batch", "grad_accum", "step_time_s",
+                   "tokens_per_s_per_device", "mfu", "comm_exposed_fraction", "peak_memory_gib",
+                   "power_w_estimated", "energy_per_token_j_estimated", "reason"]
+
+
+@app.command()
+def predict(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    json_: Annotated[bool, typer.Option("--json", help="one TrialResult per line (JSON)")] = False,
+) -> None:
+    """Predict every trial of a spec with the performance model (any backend, any scale)."""
+    from scalestudy.perfmodel.predict import predict_planned
+    from scalestudy.spec.load import load_spec, plan
+    from scalestudy.spec.study import trial_name
+
+    try:
+        planned = plan(load_spec(spec, set_))
+    except SpecError as e:
+        _fail(e)
+    results = [predict_planned(p) for p in planned]
+    if json_:
+        sys.stdout.write("".join(r.model_dump_json() + "\n" for r in results))
+        return
+    rows = [{**r.model_dump(), "trial": trial_name(r), "status": r.status.value} for r in results]
+    out.print(_trial_table(rows, PREDICT_COLUMNS, title=f"{spec} (predicted)"))
+
+
+@app.command()
+def calibrate(
+    out_path: Annotated[Path, typer.Option("--out", help="profile YAML to write")] = Path(
+        "calibrated-cpu-local.yaml"),
+    hardware: Annotated[str, typer.Option(help="catalogue entry the profile starts from")] = "cpu-local",
+    quick: Annotated[bool, typer.Option("--quick", help="fewer shapes and sizes (tests)")] = False,
+) -> None:
+    """Microbenchmark this Ray cluster (GEMM, memory, per-op and per-step costs, collectives) and
+    write a hardware profile that a spec's `hardware:` accepts."""
+    from scalestudy.measure.calibrate import calibrate as run_calibration
+    from scalestudy.measure.calibrate import write_profile
+    from scalestudy.spec import catalog
+
+    if hardware not in catalog.hardware_names():
+        _fail(SpecError("--hardware", hardware,
+                        f"choose one of {', '.join(catalog.hardware_names())}"))
+    try:
+        profile = run_calibration(catalog.get_hardware(hardware), quick=quick)
+    except NotImplementedError as e:
+        _fail(SpecError("--hardware", hardware, str(e)))
+    write_profile(profile, out_path)
+    cal = profile.calibration
+    rows = [{"figure": k, "value": v} for k, v in (
+        *((f"peak_tflops.{p.value}", t) for p, t in profile.peak_tflops.items()),
+        ("hbm_gbps", profile.hbm_gbps), ("nvlink_gbps_per_gpu", profile.nvlink_gbps_per_gpu),
+        *((k, v) for k, v in cal.items() if not isinstance(v, list)))]
+    out.print(_trial_table(rows, ["figure", "value"], title=f"calibrated {hardware}"))
+    out.print(f"wrote {out_path}; use it with --set hardware={out_path}")
+
+
+@app.command()
+def fit(
+    study: Annotated[str, typer.Argument(help="study name (reads results/<study>/trials.parquet)")],
+    hardware: Annotated[Optional[str], typer.Option(
+        help="profile to start from: catalogue name or YAML path (default: the trials' hardware)")] = None,
+    out_path: Annotated[Optional[Path], typer.Option("--out", help="fitted profile YAML")] = None,
+    results_root: Annotated[Path, typer.Option(help="ledger root folder")] = Path("results"),
+) -> None:
+    """Fit the performance model's efficiency parameters to a study's measured trials."""
+    from scalestudy.measure.calibrate import write_profile
+    from scalestudy.perfmodel.fit import FitResult
+    from scalestudy.perfmodel.fit import fit as run_fit
+    from scalestudy.perfmodel.fit_data import measured_trials
+    from scalestudy.spec.study import trial_name
+
+    try:
+        cfgs, measured, results, hw = measured_trials(study, results_root, hardware)
+    except SpecError as e:
+        _fail(e)
+    res = run_fit(cfgs, measured, hw)
+    rows = [{"trial": trial_name(r), "measured_tokens_per_s": m, "before": b,
+             "err_before": b / m - 1, "after": a, "err_after": a / m - 1}
+            for r, m, b, a in zip(results, measured, res.predicted_before, res.predicted_after)]
+    out.print(_trial_table(rows, list(rows[0]), title=f"{study}: tokens/s, measured vs model"))
+    out.print(f"MAPE before {FitResult.mape(res.predicted_before, measured):.1%}, "
+              f"after {FitResult.mape(res.predicted_after, measured):.1%}; fitted "
+              + ", ".join(f"{n}={getattr(res.after, n):.4g}" for n in res.names))
+    target = out_path or results_root / study / f"fitted-{hw.name}.yaml"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_profile(res.profile, target)
+    out.print(f"wrote {target}")
 
 
 def main() -> None:

@@ -45,15 +45,11 @@ def _format_error(err: dict, data: dict) -> SpecError:
     loc = err["loc"]
     field = ".".join(str(p) for p in loc if not isinstance(p, int))
     idx = [p for p in loc if isinstance(p, int)]
-    if idx and field:
+    if idx and field and isinstance(data.get(str(loc[0])), list):
         field = f"{field}[{idx[0]}]"
     if err["type"] == "extra_forbidden":
-        parent = StudySpec
-        valid = [k for k in parent.model_fields if k != "spec_dir"]
-        if len(loc) > 1:
-            sub = StudySpec.model_fields.get(str(loc[0]))
-            ann = getattr(sub, "annotation", None)
-            valid = list(getattr(ann, "model_fields", {}) or valid)
+        section = StudySpec.model_fields[str(loc[0])].annotation if len(loc) > 1 else StudySpec
+        valid = [k for k in section.model_fields if k != "spec_dir"]
         return SpecError(
             field, err["input"], f"unknown key; valid keys here are {', '.join(valid)}"
         )
@@ -98,7 +94,7 @@ def validate_spec(data: dict[str, Any], spec_dir: Path | None = None, source: st
 def plan(spec: StudySpec) -> list[PlannedTrial]:
     """Expand the grid; a spec none of whose trials can run is an error of the spec."""
     planned = expand(spec)
-    if not any(p.config for p in planned):
+    if not any(p.feasible for p in planned):
         reasons = sorted({p.reason for p in planned if p.reason})
         raise SpecError(
             "spec", spec.name, f"no trial can run: {'; '.join(reasons)}"

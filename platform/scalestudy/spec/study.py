@@ -8,9 +8,10 @@ import json
 import math
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -20,7 +21,7 @@ from pydantic import (
     field_validator,
 )
 
-from scalestudy.parallel.degrees import check_model_split, derive_degrees
+from scalestudy.parallel.degrees import Degrees, check_model_split, derive_degrees
 from scalestudy.spec import catalog
 from scalestudy.spec.catalog import HardwareProfile, ModelDims, Precision
 from scalestudy.spec.errors import InfeasibleTrial
@@ -76,6 +77,11 @@ def _zero_stage(v: int) -> int:
     return v
 
 
+# Per-element checks, so an error names the offending list element (zero_stage[1]) and its value.
+PosInt = Annotated[int, AfterValidator(_positive)]
+ZeroStage = Annotated[int, AfterValidator(_zero_stage)]
+
+
 def _as_list(v: Any) -> list:
     """Sweepable axes take a scalar or a list; both are stored as a non-empty list."""
     if isinstance(v, list):
@@ -94,14 +100,14 @@ class StudySpec(BaseModel):
     model: list[NamedModel]
     hardware: list[HardwareProfile]
     backend: Backend = Backend.measure
-    seq_len: list[int] = [128]
+    seq_len: list[PosInt] = [128]
     precision: list[Precision] = [Precision.bf16]
-    world_size: list[int] = [1]
-    zero_stage: list[int] = [0]
-    tp: list[int] = [1]
-    pp: list[int] = [1]
-    micro_batch: list[int] = [1]
-    global_batch: list[int | None] = [None]
+    world_size: list[PosInt] = [1]
+    zero_stage: list[ZeroStage] = [0]
+    tp: list[PosInt] = [1]
+    pp: list[PosInt] = [1]
+    micro_batch: list[PosInt] = [1]
+    global_batch: list[PosInt | None] = [None]
     activation_checkpointing: list[bool] = [False]
     steps: Steps = Steps()
     search: Search = Search()
@@ -117,21 +123,6 @@ class StudySpec(BaseModel):
     @classmethod
     def _listify(cls, v: Any) -> list:
         return _as_list(v)
-
-    @field_validator("seq_len", "world_size", "tp", "pp", "micro_batch", mode="after")
-    @classmethod
-    def _positive_ints(cls, v: list[int]) -> list[int]:
-        return [_positive(x) for x in v]
-
-    @field_validator("global_batch", mode="after")
-    @classmethod
-    def _positive_batch(cls, v: list[int | None]) -> list[int | None]:
-        return [x if x is None else _positive(x) for x in v]
-
-    @field_validator("zero_stage", mode="after")
-    @classmethod
-    def _stages(cls, v: list[int]) -> list[int]:
-        return [_zero_stage(x) for x in v]
 
     @field_validator("model", mode="before")
     @classmethod
@@ -159,6 +150,8 @@ def _resolve_model(x: Any) -> NamedModel:
                 "or give a mapping of dims (hidden_size, num_layers, num_heads, ...)"
             )
         return NamedModel(name=x, dims=catalog.get_model(x))
+    if isinstance(x, dict) and "dims" in x:
+        return NamedModel(**x)
     if isinstance(x, dict):
         try:
             dims = ModelDims(**x)
@@ -234,13 +227,7 @@ class TrialConfig(BaseModel):
 
     @property
     def run_name(self) -> str:
-        name = f"ws{self.world_size}-tp{self.tp}"
-        if self.pp > 1:
-            name += f"-pp{self.pp}"
-        name += f"-z{self.zero_stage}-mb{self.micro_batch}"
-        if self.grad_accum > 1:
-            name += f"-ga{self.grad_accum}"
-        return name
+        return trial_name(self)
 
     def config_fields(self) -> dict[str, Any]:
         """Flat, scalar config columns (what the ledger, MLflow params and tables show)."""
@@ -250,13 +237,27 @@ class TrialConfig(BaseModel):
         return d
 
 
+def trial_name(t: Any) -> str:
+    """Short human name of a trial (`ws2-tp1-z3-mb2`), for a TrialConfig or a TrialResult."""
+    name = f"ws{t.world_size}-tp{t.tp}" + (f"-pp{t.pp}" if t.pp > 1 else "")
+    name += f"-z{t.zero_stage}-mb{t.micro_batch}"
+    return name + (f"-ga{t.grad_accum}" if t.grad_accum > 1 else "")
+
+
 class PlannedTrial(BaseModel):
-    """A trial as expanded from the grid: either a runnable config or the reason it cannot run."""
+    """A trial as expanded from the grid: its config, and why it cannot run when it cannot.
+
+    Infeasible points keep a config (derived values rounded down) so their results share the
+    schema of every other trial."""
 
     model_config = ConfigDict(frozen=True)
     axes: dict[str, Any]
-    config: TrialConfig | None = None
+    config: TrialConfig
     reason: str | None = None
+
+    @property
+    def feasible(self) -> bool:
+        return self.reason is None
 
 
 AXES = (
@@ -265,13 +266,50 @@ AXES = (
 )
 
 
-def build_trial(spec: StudySpec, point: dict[str, Any]) -> TrialConfig:
-    """One grid point -> TrialConfig, or InfeasibleTrial with the reason."""
+def _lenient_degrees(point: dict[str, Any]) -> Degrees:
+    """Degrees of a point that may not divide (floor division), for recording infeasible trials."""
+    ws, tp, pp, mb = point["world_size"], point["tp"], point["pp"], point["micro_batch"]
+    dp = max(ws // (tp * pp), 1)
+    gb = point["global_batch"] or mb * dp
+    return Degrees(ws, dp, tp, pp, mb, max(gb // (mb * dp), 1), gb)
+
+
+def resolve_point(spec: StudySpec, axes: dict[str, Any]) -> dict[str, Any]:
+    """Axis values as shown/sampled (names, plain values) -> the spec's typed objects."""
+    point = dict(axes)
+    point["model"] = next(m for m in spec.model if m.name == axes["model"])
+    point["hardware"] = next(h for h in spec.hardware if h.name == axes["hardware"])
+    point["precision"] = Precision(axes["precision"])
+    return point
+
+
+def build_trial(spec: StudySpec, point: dict[str, Any]) -> PlannedTrial:
+    """One grid point (typed, see resolve_point) -> PlannedTrial with its infeasibility reason."""
+    shown = {
+        k: (v.name if isinstance(v, (NamedModel, HardwareProfile)) else
+            v.value if isinstance(v, Enum) else v)
+        for k, v in point.items()
+    }
+    try:
+        deg = derive_degrees(
+            point["world_size"], point["tp"], point["pp"], point["micro_batch"],
+            point["global_batch"],
+        )
+        reason = None
+    except InfeasibleTrial as err:
+        deg, reason = _lenient_degrees(point), str(err)
+    cfg = _trial_config(spec, point, deg)
+    if reason is None:
+        try:
+            check_trial(spec, point, deg)
+        except InfeasibleTrial as err:
+            reason = str(err)
+    return PlannedTrial(axes=shown, config=cfg, reason=reason)
+
+
+def check_trial(spec: StudySpec, point: dict[str, Any], deg: Degrees) -> None:
     model: NamedModel = point["model"]
     hw: HardwareProfile = point["hardware"]
-    deg = derive_degrees(
-        point["world_size"], point["tp"], point["pp"], point["micro_batch"], point["global_batch"]
-    )
     check_model_split(model.dims, deg.tp, deg.pp)
     precision: Precision = point["precision"]
     if precision not in hw.peak_tflops:
@@ -284,6 +322,11 @@ def build_trial(spec: StudySpec, point: dict[str, Any]) -> TrialConfig:
         )
     if spec.backend is Backend.measure and deg.pp > 1:
         raise InfeasibleTrial("pp > 1 is not supported by the measure backend (use simulate)")
+
+
+def _trial_config(spec: StudySpec, point: dict[str, Any], deg: Degrees) -> TrialConfig:
+    model: NamedModel = point["model"]
+    hw: HardwareProfile = point["hardware"]
     return TrialConfig(
         study=spec.name,
         backend=spec.backend,
@@ -299,7 +342,7 @@ def build_trial(spec: StudySpec, point: dict[str, Any]) -> TrialConfig:
         grad_accum=deg.grad_accum,
         global_batch=deg.global_batch,
         seq_len=point["seq_len"],
-        precision=precision,
+        precision=point["precision"],
         activation_checkpointing=point["activation_checkpointing"],
         steps=spec.steps,
         seed=spec.seed,
@@ -312,16 +355,7 @@ def build_trial(spec: StudySpec, point: dict[str, Any]) -> TrialConfig:
 
 def expand(spec: StudySpec) -> list[PlannedTrial]:
     """The full grid in a fixed order (axes in AXES order, values in spec order)."""
-    planned = []
-    for values in itertools.product(*(getattr(spec, a) for a in AXES)):
-        point = dict(zip(AXES, values))
-        shown = {
-            k: (v.name if isinstance(v, (NamedModel, HardwareProfile)) else
-                v.value if isinstance(v, Enum) else v)
-            for k, v in point.items()
-        }
-        try:
-            planned.append(PlannedTrial(axes=shown, config=build_trial(spec, point)))
-        except InfeasibleTrial as err:
-            planned.append(PlannedTrial(axes=shown, reason=str(err)))
-    return planned
+    return [
+        build_trial(spec, dict(zip(AXES, values)))
+        for values in itertools.product(*(getattr(spec, a) for a in AXES))
+    ]

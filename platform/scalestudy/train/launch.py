@@ -52,8 +52,17 @@ def failure_reason(err: BaseException) -> str:
     return first
 
 
-def run_trial(cfg: TrialConfig, storage_path: Path, t0: float | None = None) -> TrialResult:
-    """Run the trial and return its TrialResult; a failing trial returns status `failed`."""
+def run_trial(
+    cfg: TrialConfig,
+    storage_path: Path,
+    t0: float | None = None,
+    fault: str | None = None,
+    callbacks: list | None = None,
+) -> TrialResult:
+    """Run the trial and return its TrialResult; a failing trial returns status `failed`.
+
+    `fault` ("RUN_NAME@STEP" or "*@STEP", from $SCALESTUDY_INJECT_FAULT) makes rank 0 raise at that
+    step: the failure-path tests use it to fail a real trial on purpose."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -61,7 +70,7 @@ def run_trial(cfg: TrialConfig, storage_path: Path, t0: float | None = None) -> 
     gpu = cfg.hardware_profile.kind == "gpu"
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"trial": cfg.model_dump(mode="json")},
+        train_loop_config={"trial": cfg.model_dump(mode="json"), "fault": fault},
         scaling_config=ScalingConfig(
             num_workers=cfg.world_size,
             use_gpu=gpu,
@@ -72,6 +81,7 @@ def run_trial(cfg: TrialConfig, storage_path: Path, t0: float | None = None) -> 
             name=f"{cfg.study}-{cfg.run_name}-{cfg.trial_id}-{uuid.uuid4().hex[:6]}",
             storage_path=str(Path(storage_path).resolve()),
             failure_config=FailureConfig(max_failures=0),
+            callbacks=callbacks or [],
         ),
     )
     try:

@@ -24,6 +24,17 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _fault_step(spec: str | None, run_name: str) -> int | None:
+    """'RUN_NAME@STEP' (or '*@STEP') -> STEP when it names this trial."""
+    if not spec:
+        return None
+    for item in spec.split(","):
+        name, _, step = item.partition("@")
+        if name in (run_name, "*"):
+            return int(step or 0)
+    return None
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     from scalestudy.spec.study import TrialConfig
 
@@ -69,6 +80,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             total += loss.detach().float()
         return total / cfg.grad_accum
 
+    fault_step = _fault_step(config.get("fault"), cfg.run_name) if rank == 0 else None
     n_steps = cfg.steps.warmup + cfg.steps.measure
     losses = []
     step_times = []
@@ -77,6 +89,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if step == cfg.steps.warmup:
             reset_peak()
             first_measured_wall = time.time()
+        if step == fault_step:
+            raise RuntimeError(f"injected fault at step {step} ({cfg.run_name})")
         _sync(device)
         t = time.perf_counter()
         losses.append(one_step(step))

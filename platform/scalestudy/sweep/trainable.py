@@ -1,0 +1,57 @@
+"""The Ray Tune function trainable: one Tune trial = one Ray Train TorchTrainer run.
+
+The trainable turns the sampled axis values into a TrialConfig, checks feasibility, runs the trial
+(the same run_trial as `scalestudy run`), enforces the per-trial time limit and reports ONE result:
+the whole TrialResult as JSON, plus the search metric for Tune's searchers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+RESULT_KEY = "trial_result_json"
+
+
+def trial_trainable(
+    config: dict[str, Any], *, spec, storage: str, fault: str | None, skip_ids: frozenset[str]
+) -> None:
+    from ray import tune
+
+    from scalestudy.metrics import Status, TrialResult
+    from scalestudy.spec.study import AXES, build_trial, resolve_point
+    from scalestudy.sweep.feasibility import with_memory_check
+    from scalestudy.train.launch import run_trial
+
+    t0 = time.time()
+    axes = config.get("point") or {a: config[a] for a in AXES}
+    planned = with_memory_check(build_trial(spec, resolve_point(spec, axes)))
+    cfg = planned.config
+    if cfg.trial_id in skip_ids:  # resume of a random/optuna sweep: already in the ledger
+        tune.report({"skipped": 1})
+        return
+    if not planned.feasible:
+        result = TrialResult.from_config(cfg, Status.infeasible, reason=planned.reason)
+    else:
+        box: dict[str, TrialResult] = {}
+
+        def _run() -> None:
+            box["r"] = run_trial(cfg, Path(storage), t0=t0, fault=fault)
+
+        # Daemon thread: on timeout this function returns, Tune stops the trial's actor, and the
+        # Train controller and workers it owns die with it.
+        worker = threading.Thread(target=_run, daemon=True, name="trial")
+        worker.start()
+        worker.join(cfg.trial_timeout_s)
+        if worker.is_alive() or "r" not in box:
+            result = TrialResult.from_config(
+                cfg, Status.timeout, wall_time_s=time.time() - t0,
+                reason=f"exceeded trial_timeout_s={cfg.trial_timeout_s:g}"
+                if worker.is_alive() else "trial thread ended without a result",
+            )
+        else:
+            result = box["r"]
+    metric = getattr(result, spec.search.metric, float("nan"))
+    tune.report({RESULT_KEY: result.model_dump_json(), spec.search.metric: metric})

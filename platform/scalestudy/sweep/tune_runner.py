@@ -1,0 +1,118 @@
+"""Ray Tune side of a measured sweep: search space, concurrency, and the driver-side callback
+that records each trial the moment Tune reports it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ray import tune
+from ray.tune import Callback
+
+from scalestudy.metrics import Status, TrialResult
+from scalestudy.spec.study import AXES, PlannedTrial, SearchAlgorithm, StudySpec, build_trial, resolve_point
+from scalestudy.sweep.progress import SweepProgress
+from scalestudy.sweep.trainable import RESULT_KEY, trial_trainable
+
+# The trainable only waits on its TorchTrainer; Tune needs a non-empty bundle for it, and a CPU
+# share would starve the workers on a 2-core machine, so it reserves a little memory instead.
+TRAINABLE_RESOURCES = {"CPU": 0, "memory": 64 * 1024**2}
+
+
+def default_concurrency(spec: StudySpec, runnable: list[PlannedTrial]) -> int:
+    """As many trials at once as the cluster's devices hold trials of the largest world size."""
+    import ray
+
+    gpu = any(h.kind == "gpu" for h in spec.hardware)
+    devices = ray.cluster_resources().get("GPU" if gpu else "CPU", 1)
+    largest = max((p.config.world_size for p in runnable), default=1)
+    return max(1, int(devices // largest))
+
+
+def _param_space(spec: StudySpec, runnable: list[PlannedTrial]) -> dict:
+    if spec.search.algorithm is SearchAlgorithm.grid:
+        return {"point": tune.grid_search([p.axes for p in runnable])}
+    shown = {
+        "model": [m.name for m in spec.model],
+        "hardware": [h.name for h in spec.hardware],
+        "precision": [p.value for p in spec.precision],
+    }
+    return {a: tune.choice(shown.get(a) or getattr(spec, a)) for a in AXES}
+
+
+def _searcher(spec: StudySpec):
+    from ray.tune.search import BasicVariantGenerator
+
+    if spec.search.algorithm is SearchAlgorithm.optuna:
+        from ray.tune.search.optuna import OptunaSearch
+
+        return OptunaSearch(metric=spec.search.metric, mode=spec.search.mode, seed=spec.seed)
+    if spec.search.algorithm is SearchAlgorithm.random:
+        return BasicVariantGenerator(random_state=spec.seed)
+    return None
+
+
+def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, results_root: Path,
+             max_concurrent, fault, verbose) -> None:
+    from scalestudy.train.launch import ensure_ray
+
+    ensure_ray(verbose=verbose)
+    study_dir = (Path(results_root) / spec.name).resolve()
+    trainable = tune.with_resources(
+        tune.with_parameters(
+            trial_trainable, spec=spec, storage=str(study_dir / "train"), fault=fault,
+            skip_ids=frozenset(skip_ids),
+        ),
+        TRAINABLE_RESOURCES,
+    )
+    grid = spec.search.algorithm is SearchAlgorithm.grid
+    tuner = tune.Tuner(
+        trainable,
+        param_space=_param_space(spec, runnable),
+        tune_config=tune.TuneConfig(
+            num_samples=1 if grid else (spec.search.num_samples or len(runnable) or 1),
+            max_concurrent_trials=max_concurrent or default_concurrency(spec, runnable),
+            search_alg=_searcher(spec),
+            metric=None if grid else spec.search.metric,
+            mode=None if grid else spec.search.mode,
+        ),
+        run_config=tune.RunConfig(
+            name=f"tune-{recorder.sweep_id}",
+            storage_path=str(study_dir / "tune"),
+            verbose=1 if verbose else 0,
+            callbacks=[_RecordCallback(spec, recorder, progress)],
+        ),
+    )
+    tuner.fit()
+
+
+def _first_line(text: str | None) -> str:
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    return lines[-1] if lines else "trial actor failed without an error message"
+
+
+class _RecordCallback(Callback):
+    """Runs in the driver process: the ledger and MLflow are written here, never in workers."""
+
+    def __init__(self, spec, recorder, progress):
+        self.spec, self.recorder, self.progress = spec, recorder, progress
+
+    def __getstate__(self):
+        # Tuner pickles its run config into the experiment state for `Tuner.restore`; this
+        # callback's live state (MLflow client, progress display) is meaningless elsewhere, and
+        # resuming goes through the ledger, not Tune's restore.
+        return {"spec": self.spec, "recorder": None, "progress": None}
+
+    def _config(self, trial):
+        axes = trial.config.get("point") or {a: trial.config[a] for a in AXES}
+        return build_trial(self.spec, resolve_point(self.spec, axes)).config
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        self.progress.running(self._config(trial).run_name)
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        if RESULT_KEY in result:
+            self.recorder.record(TrialResult.model_validate_json(result[RESULT_KEY]))
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        reason = _first_line(getattr(trial, "error_msg", None) or str(trial.get_error() or ""))
+        self.recorder.record(TrialResult.from_config(self._config(trial), Status.failed, reason=reason))

@@ -1,0 +1,208 @@
+"""MLflow tracking: one experiment per study, a parent run per sweep, a child run per trial.
+
+Only the sweep driver writes here (never the Ray workers), so one sqlite file is safe. The ledger is
+written first; a tracking server that is down or fails mid-sweep only disables this writer (with
+one warning), and `scalestudy sync-mlflow` uploads the rows later.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import logging
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from scalestudy.metrics import Status, TrialResult
+
+log = logging.getLogger(__name__)
+
+DEFAULT_URI = "sqlite:///mlflow.db"
+ROLE_TAG = "scalestudy.role"
+RESULT_ID_TAG = "scalestudy.result_id"
+SWEEP_ID_TAG = "scalestudy.sweep_id"
+VERSION_PACKAGES = ("torch", "ray", "deepspeed", "transformers", "mlflow")
+
+
+def tracking_uri(spec_uri: str | None) -> str:
+    return spec_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+
+
+@functools.cache
+def software_tags() -> dict[str, str]:
+    tags = {}
+    for pkg in VERSION_PACKAGES:
+        try:
+            tags[f"version.{pkg}"] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        if commit:
+            tags["git_commit"] = commit
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return tags
+
+
+class MlflowWriter:
+    """Thin wrapper over MlflowClient that turns tracking failures into one warning."""
+
+    def __init__(self, uri: str, experiment: str):
+        # Fail fast on an unreachable server instead of MLflow's minutes of HTTP retries.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+        from mlflow.tracking import MlflowClient
+
+        self.uri = uri
+        self.experiment = experiment
+        self.client = MlflowClient(tracking_uri=uri)
+        self.error: str | None = None
+        self.experiment_id: str | None = None
+        self._guard(self._ensure_experiment)
+
+    @property
+    def enabled(self) -> bool:
+        return self.error is None
+
+    def _guard(self, fn, *args, **kwargs):
+        if not self.enabled:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - tracking must never stop a sweep
+            first = (str(err).splitlines() or [type(err).__name__])[0]
+            self.error = f"MLflow at {self.uri} unavailable ({first[:200]})"
+            log.warning("%s; results stay in the ledger, upload later with sync-mlflow", self.error)
+            return None
+
+    def _ensure_experiment(self) -> None:
+        exp = self.client.get_experiment_by_name(self.experiment)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(self.experiment)
+
+    # --- parent run -------------------------------------------------------------------------
+    def start_sweep(self, sweep_id: str, spec_text: str, run_name: str) -> str | None:
+        return self._guard(self._start_sweep, sweep_id, spec_text, run_name)
+
+    def _start_sweep(self, sweep_id: str, spec_text: str, run_name: str) -> str:
+        import mlflow
+
+        mlflow.set_tracking_uri(self.uri)
+        run = mlflow.start_run(
+            experiment_id=self.experiment_id, run_name=run_name, log_system_metrics=True,
+            tags={ROLE_TAG: "sweep", SWEEP_ID_TAG: sweep_id, **software_tags()},
+        )
+        mlflow.log_text(spec_text, "spec.yaml")
+        return run.info.run_id
+
+    def end_sweep(self, failed: bool = False) -> None:
+        def _end():
+            import mlflow
+
+            if mlflow.active_run():
+                mlflow.end_run("FAILED" if failed else "FINISHED")
+
+        self._guard(_end)
+
+    def parent_for(self, sweep_id: str) -> str | None:
+        """An existing parent run of that sweep in this store, if any (for sync-mlflow)."""
+        def _find():
+            runs = self.client.search_runs(
+                [self.experiment_id],
+                filter_string=f"tags.`{ROLE_TAG}` = 'sweep' and tags.`{SWEEP_ID_TAG}` = '{sweep_id}'",
+                max_results=1,
+            )
+            return runs[0].info.run_id if runs else None
+
+        return self._guard(_find)
+
+    def create_parent(self, sweep_id: str, run_name: str) -> str | None:
+        def _create():
+            run = self.client.create_run(
+                self.experiment_id, run_name=run_name,
+                tags={ROLE_TAG: "sweep", SWEEP_ID_TAG: sweep_id, **software_tags()},
+            )
+            self.client.set_terminated(run.info.run_id)
+            return run.info.run_id
+
+        return self._guard(_create)
+
+    # --- child runs -------------------------------------------------------------------------
+    def logged_result_ids(self) -> set[str] | None:
+        def _ids():
+            runs = self.client.search_runs(
+                [self.experiment_id], filter_string=f"tags.`{ROLE_TAG}` = 'trial'",
+                max_results=50000,
+            )
+            return {r.data.tags.get(RESULT_ID_TAG) for r in runs}
+
+        return self._guard(_ids)
+
+    def log_trial(self, result: TrialResult, parent_run_id: str | None, result_id: str,
+                  run_name: str) -> str | None:
+        return self._guard(self._log_trial, result, parent_run_id, result_id, run_name)
+
+    def _log_trial(self, result: TrialResult, parent_run_id: str | None, result_id: str,
+                   run_name: str) -> str:
+        from mlflow.entities import Metric, Param, RunTag
+
+        tags = {
+            ROLE_TAG: "trial", RESULT_ID_TAG: result_id, "trial_id": result.trial_id,
+            "status": result.status.value, "reason": result.reason or "",
+            "backend": result.backend, "hardware": result.hardware, "model": result.model,
+            "energy_source": result.energy_source, **software_tags(),
+        }
+        if parent_run_id:
+            tags["mlflow.parentRunId"] = parent_run_id
+        run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
+        now = int(time.time() * 1000)
+        config = {k: v for k, v in result.model_dump(mode="json").items()
+                  if k in CONFIG_PARAMS}
+        params = [Param(k, str(v)) for k, v in config.items()]
+        metrics = [Metric(k, v, now, 0) for k, v in result.scalar_metrics().items()]
+        metrics += [Metric("train/loss", v, now, i) for i, v in enumerate(result.losses)]
+        metrics += [Metric("train/step_time_s", v, now, i) for i, v in enumerate(result.step_times_s)]
+        self.client.log_batch(run_id, metrics=metrics[:1000], params=params,
+                              tags=[RunTag(k, v) for k, v in result.missing.items()][:100])
+        self._log_artifacts(run_id, result)
+        status = "FAILED" if result.status in (Status.failed, Status.timeout) else "FINISHED"
+        self.client.set_terminated(run_id, status)
+        return run_id
+
+    def _log_artifacts(self, run_id: str, result: TrialResult) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        ds_config = result.extra.get("deepspeed_config")
+        if ds_config:
+            self.client.log_dict(run_id, ds_config, "deepspeed_config.json")
+        self.client.log_dict(run_id, json.loads(result.model_dump_json()), "trial_result.json")
+        if result.losses or result.step_times_s:
+            n = len(result.losses)
+            timed = [float("nan")] * (n - len(result.step_times_s)) + list(result.step_times_s)
+            table = pa.table({"step": list(range(n)), "loss": result.losses,
+                              "step_time_s": timed[:n] if n else result.step_times_s})
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "steps.parquet"
+                pq.write_table(table, path)
+                self.client.log_artifact(run_id, str(path))
+
+
+def _config_params() -> frozenset[str]:
+    from scalestudy.spec.study import TrialConfig
+
+    exclude = {"model_dims", "hardware_profile", "steps"}
+    names = set(TrialConfig.model_fields) - exclude
+    return frozenset(names | {"trial_id", "steps_warmup", "steps_measure", "steps_profile"})
+
+
+CONFIG_PARAMS: frozenset[str] = _config_params()
+

@@ -1,0 +1,59 @@
+"""Shared fixtures: one Ray instance per test session, spec loading helpers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parents[1]
+QUICKSTART = REPO / "experiments" / "quickstart.yaml"
+
+
+def _gpu_visible() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _gpu_visible():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU; none is visible on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ray_session(tmp_path_factory):
+    """One local Ray for the whole session (start-up costs seconds). 4 logical CPUs so the 4-worker
+    layout tests can be scheduled on a 2-core machine; oversubscription only slows them down."""
+    import ray
+
+    from scalestudy.train.launch import ensure_ray
+
+    os.environ.pop("RAY_ADDRESS", None)
+    ensure_ray(num_cpus=4, resources={"trial_driver": 4},
+               _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_storage(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ray_storage")
+
+
+def trial(overrides: list[str], spec: Path = QUICKSTART):
+    """The single TrialConfig of the quickstart spec with `--set` style overrides."""
+    from scalestudy.spec.load import load_spec, plan
+
+    planned = plan(load_spec(spec, overrides))
+    assert len(planned) == 1, [p.axes for p in planned]
+    assert planned[0].feasible, planned[0].reason
+    return planned[0].config

@@ -1,0 +1,119 @@
+"""Every bad-input case of `scalestudy validate` exits 2 with one line naming field, value and fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from scalestudy.spec.errors import SpecError
+from scalestudy.spec.load import load_spec, plan
+
+BASE = """\
+name: t
+model: llama2-tiny
+hardware: cpu-local
+"""
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "spec.yaml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def _error(tmp_path: Path, text: str, overrides=None) -> str:
+    with pytest.raises(SpecError) as exc:
+        plan(load_spec(_write(tmp_path, text), overrides))
+    msg = str(exc.value)
+    assert "\n" not in msg
+    return msg
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ("foo: 1\n", ["foo", "unknown key", "world_size"]),
+        ("steps: {warmup: 1, bogus: 2}\n", ["steps.bogus", "unknown key", "measure"]),
+        ("zero_stage: 4\n", ["zero_stage", "4", "0, 1, 2, 3"]),
+        ("zero_stage: [0, 5]\n", ["zero_stage[1]", "5", "0, 1, 2, 3"]),
+        ("world_size: 0\n", ["world_size", "0", "positive"]),
+        ("micro_batch: -2\n", ["micro_batch", "-2", "positive"]),
+        ("steps: {measure: 0}\n", ["steps.measure", "0", "greater than 0"]),
+        ("seq_len: 0\n", ["seq_len", "positive"]),
+        ("precision: fp8\n", ["precision", "fp8", "bf16"]),
+        ("world_size: 3\ntp: 2\n", ["world_size 3", "tp*pp"]),
+        ("world_size: 2\ntp: 2\nmodel: {hidden_size: 48, num_layers: 2, num_heads: 3}\n",
+         ["tp 2", "num_heads 3"]),
+        ("world_size: 2\ntp: 2\nmodel: {hidden_size: 64, num_layers: 2, num_heads: 4, num_kv_heads: 1}\n",
+         ["tp 2", "num_kv_heads 1"]),
+        ("world_size: 2\nmicro_batch: 2\nglobal_batch: 6\n", ["global_batch 6", "micro_batch*dp", "4"]),
+    ],
+)
+def test_bad_field(tmp_path, extra, expected):
+    base = BASE.replace("model: llama2-tiny\n", "") if "model:" in extra else BASE
+    text = base + extra
+    msg = _error(tmp_path, text)
+    for part in expected:
+        assert part in msg, msg
+
+
+def test_unknown_model(tmp_path):
+    msg = _error(tmp_path, BASE.replace("llama2-tiny", "llama9-1b"))
+    assert "model" in msg and "llama9-1b" in msg and "llama2-7b" in msg
+
+
+def test_unknown_hardware(tmp_path):
+    msg = _error(tmp_path, BASE.replace("cpu-local", "tpu-v9"))
+    assert "hardware" in msg and "tpu-v9" in msg and "h100-80gb" in msg and "calibrate" in msg
+
+
+def test_missing_required_key(tmp_path):
+    msg = _error(tmp_path, "name: t\nhardware: cpu-local\n")
+    assert "model" in msg and "missing" in msg
+
+
+def test_malformed_yaml_has_line_number(tmp_path):
+    msg = _error(tmp_path, BASE + "world_size: [1, 2\nzero_stage: 1\n")
+    assert "line" in msg and "malformed YAML" in msg
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(SpecError) as exc:
+        load_spec(tmp_path / "nope.yaml")
+    assert "not found" in str(exc.value) and "nope.yaml" in str(exc.value)
+
+
+def test_bad_override(tmp_path):
+    with pytest.raises(SpecError) as exc:
+        load_spec(_write(tmp_path, BASE), ["world_size"])
+    assert "KEY=VALUE" in str(exc.value)
+
+
+def test_grid_point_infeasible_but_spec_valid(tmp_path):
+    planned = plan(load_spec(_write(tmp_path, BASE + "world_size: [2, 3]\ntp: 2\n")))
+    assert [p.feasible for p in planned] == [True, False]
+    assert "world_size 3 is not divisible" in planned[1].reason
+
+
+def test_cli_exit_code_and_one_line(tmp_path):
+    spec = _write(tmp_path, BASE + "zero_stage: 7\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "scalestudy.cli", "validate", str(spec)],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "zero_stage" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_cli_validate_ok(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "scalestudy.cli", "validate", "experiments/quickstart.yaml"],
+        capture_output=True, text=True, cwd=Path(__file__).parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "8 trials" in proc.stdout
