@@ -10,8 +10,9 @@ import uuid
 from pathlib import Path
 
 from scalestudy import metrics as M
+from scalestudy.measure.energy import EnergyReading, energy_metrics
 from scalestudy.measure.throughput import throughput_metrics
-from scalestudy.metrics import Status, TrialResult
+from scalestudy.metrics import CollectiveStats, Status, TrialResult
 from scalestudy.spec.study import TrialConfig
 from scalestudy.train.worker import SUMMARY_FILE, train_loop_per_worker
 
@@ -58,6 +59,7 @@ def run_trial(
     t0: float | None = None,
     fault: str | None = None,
     callbacks: list | None = None,
+    instrument: bool = True,
 ) -> TrialResult:
     """Run the trial and return its TrialResult; a failing trial returns status `failed`.
 
@@ -70,7 +72,8 @@ def run_trial(
     gpu = cfg.hardware_profile.kind == "gpu"
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"trial": cfg.model_dump(mode="json"), "fault": fault},
+        train_loop_config={"trial": cfg.model_dump(mode="json"), "fault": fault,
+                           "instrument": instrument},
         scaling_config=ScalingConfig(
             num_workers=cfg.world_size,
             use_gpu=gpu,
@@ -100,10 +103,33 @@ def summarize(cfg: TrialConfig, summary: dict, t0: float) -> TrialResult:
     losses = summary["losses"]
     fields = throughput_metrics(cfg, step_times)
     first = summary.get("first_measured_step_wall")
+    missing: dict[str, str] = {}
+    reading = EnergyReading(summary["energy_j"], 0.0, {}, summary["energy_source"],
+                            summary.get("energy_reason"))
+    energy = energy_metrics(reading, cfg.tokens_per_step * len(step_times))
+    energy[M.POWER_W] = summary["power_w"]
+    if reading.source == "none":
+        for name in (M.ENERGY_J, M.POWER_W, M.ENERGY_PER_TOKEN_J, M.TOKENS_PER_J):
+            missing[name] = reading.reason or "no energy meter"
+    comm = {k: CollectiveStats(**v) for k, v in summary.get("comm", {}).items()}
+    if "comm_time_s" not in summary:
+        for name in (M.COMM_TIME_S, M.COMM_EXPOSED_S, M.COMM_EXPOSED_FRACTION):
+            missing[name] = "no profiled window (steps.profile = 0 or instrumentation off)"
+    gpu = cfg.hardware_profile.kind == "gpu" and summary.get("utilization_kind") == "NvmlUtilization"
+    util = {M.DEVICE_UTILIZATION_PCT if gpu else M.CPU_UTILIZATION_CORES: summary["utilization"]}
     return TrialResult.from_config(
         cfg,
         Status.completed,
         **fields,
+        **energy,
+        **util,
+        energy_source=reading.source,
+        comm=comm,
+        comm_time_s=summary.get("comm_time_s", M.NAN),
+        comm_exposed_s=summary.get("comm_exposed_s", M.NAN),
+        comm_exposed_fraction=summary.get("comm_exposed_fraction", M.NAN),
+        step_time_s_profiled=summary.get("step_time_s_profiled", M.NAN),
+        missing=missing,
         peak_memory_gib=summary["peak_memory_gib"],
         memory_source=summary["memory_source"],
         loss_first=losses[0],
@@ -112,5 +138,7 @@ def summarize(cfg: TrialConfig, summary: dict, t0: float) -> TrialResult:
         losses=losses,
         wall_time_s=time.time() - t0,
         time_to_first_step_s=(first - t0) if first else M.NAN,
-        extra={"deepspeed_config": summary["deepspeed_config"]},
+        extra={"deepspeed_config": summary["deepspeed_config"],
+               "comm_logger": summary.get("comm_logger", {}),
+               "comm_trace_device": summary.get("comm_trace_device")},
     )

@@ -24,6 +24,20 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _mean_over_ranks(value: float, device) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item()) / dist.get_world_size()
+
+
 def _fault_step(spec: str | None, run_name: str) -> int | None:
     """'RUN_NAME@STEP' (or '*@STEP') -> STEP when it names this trial."""
     if not spec:
@@ -47,7 +61,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
+    from scalestudy.measure.energy import NoMeter, make_meter, reduce_energy_across_ranks
     from scalestudy.measure.memory import peak_memory_gib, reset_peak
+    from scalestudy.measure.profiled_window import reduce_across_ranks, run_profiled_window
+    from scalestudy.measure.utilization import make_utilization
     from scalestudy.parallel.deepspeed_config import deepspeed_config
     from scalestudy.train.data import global_batch, micro_batch_slice
     from scalestudy.train.model_factory import build_model
@@ -81,6 +98,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         return total / cfg.grad_accum
 
     fault_step = _fault_step(config.get("fault"), cfg.run_name) if rank == 0 else None
+    instrument = config.get("instrument", True)
+    local_rank = ray.train.get_context().get_local_rank()
+    meter = (make_meter(cfg.hardware_profile.kind, local_rank=local_rank) if instrument
+             else NoMeter("instrumentation disabled for this run"))
+    util = make_utilization(cfg.hardware_profile.kind)
+
     n_steps = cfg.steps.warmup + cfg.steps.measure
     losses = []
     step_times = []
@@ -89,6 +112,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if step == cfg.steps.warmup:
             reset_peak()
             first_measured_wall = time.time()
+            # Counters are read once at each end of the window: nothing runs inside it.
+            meter.start()
+            util.start()
         if step == fault_step:
             raise RuntimeError(f"injected fault at step {step} ({cfg.run_name})")
         _sync(device)
@@ -97,6 +123,17 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         _sync(device)
         if step >= cfg.steps.warmup:
             step_times.append(time.perf_counter() - t)
+
+    _sync(device)
+    energy = reduce_energy_across_ranks(meter.stop(), local_rank, device)
+    util_pct = _mean_over_ranks(_mean(util.stop().values()), device)
+
+    # The profiled window comes after the timed one, so profiling never perturbs throughput.
+    profiled = {}
+    if instrument and cfg.steps.profile:
+        pw = run_profiled_window(lambda s: one_step(n_steps + s), cfg.steps.profile,
+                                 world_size=dist.get_world_size(), device=device)
+        profiled = reduce_across_ranks(pw, device).summary()
 
     # One reduction after the loop: the slowest rank sets each step's time, losses average.
     times = torch.tensor(step_times, dtype=torch.float64, device=device)
@@ -115,6 +152,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         "memory_source": source,
         "first_measured_step_wall": first_measured_wall,
         "deepspeed_config": ds_config,
+        "energy_j": energy.energy_j,
+        "power_w": energy.power_w,
+        "energy_source": energy.source,
+        "energy_reason": energy.reason,
+        "utilization": util_pct,
+        "utilization_kind": type(util).__name__,
+        **profiled,
     }
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
