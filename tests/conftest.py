@@ -57,3 +57,28 @@ def trial(overrides: list[str], spec: Path = QUICKSTART):
     assert len(planned) == 1, [p.axes for p in planned]
     assert planned[0].feasible, planned[0].reason
     return planned[0].config
+
+
+@pytest.fixture(scope="session")
+def quickstart_sweep(ray_session, tmp_path_factory):
+    """The quick-start study, swept for real once per session (Tune x Train x DeepSpeed, MLflow in a
+    temp sqlite store). Returns (outcome, results_root, tracking_uri)."""
+    from scalestudy.spec.load import load_spec, plan
+    from scalestudy.sweep.driver import run_sweep
+
+    root = tmp_path_factory.mktemp("quickstart")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    spec = load_spec(QUICKSTART, [f"tracking.mlflow_uri={uri}"])
+    outcome = run_sweep(spec, plan(spec), QUICKSTART.read_text(), max_concurrent=1,
+                        results_root=root / "results", show_progress=False)
+    return outcome, root / "results", uri
+
+
+@pytest.fixture(scope="session")
+def quickstart_results(quickstart_sweep):
+    return quickstart_sweep[0].results
+
+
+@pytest.fixture(scope="session")
+def quickstart_ledger(quickstart_sweep) -> Path:
+    return quickstart_sweep[0].ledger
