@@ -1,0 +1,284 @@
+"""`scalestudy calibrate`: microbenchmarks on the current Ray cluster -> a hardware profile.
+
+What is measured, and which performance-model figure it replaces (perfmodel/params.py, network.py):
+  * GEMM TFLOP/s at model-like shapes per precision, one device alone (a 1-worker TorchTrainer):
+    `gemm_tflops_<precision>` curves ([FLOPs of one GEMM, TFLOP/s]) and the best point as
+    peak_tflops with gemm_efficiency 1 (the curve already says what small shapes reach).
+  * Streaming bandwidth (large tensor copies): hbm_gbps with hbm_efficiency 1.
+  * Per-op cost of eager autograd (a chain of tiny ops, forward + backward): op_overhead_s.
+  * Fixed cost of a DeepSpeed engine step beyond its kernels (a tiny model, the trials' own config
+    builder): step_overhead_s.
+  * Collectives: all_reduce / all_gather / reduce_scatter bus bandwidth vs message size through
+    deepspeed.comm (what trials call), nccl-tests method: warm-up, repeated timed iterations, median,
+    busbw = algbw * 2(n-1)/n (all_reduce) or (n-1)/n: `busbw_gbps_<op>` at the largest world size
+    the cluster holds (up to 2 here) and the large-message figure as nvlink_gbps_per_gpu.
+  * Devices sharing a node: the GEMM and op benchmarks rerun in every worker of the multi-worker run
+    at once; the slowdown against the lone device is `shared_node_slowdown` (CPU cores share caches,
+    memory bandwidth and the machine's other processes; 1 on GPUs).
+  * Power: only where a meter exists (NVML); none on this machine, so the catalogue figures stay.
+Runs in about a minute on 2 CPU cores (`quick` in well under that, for tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from scalestudy.spec.catalog import HardwareProfile
+
+RESULT_FILE = "calibration.json"
+# (M tokens, K, N): llama2-tiny/small projections and MLPs at micro-batch x seq 512..2048 tokens,
+# then wider square shapes so the curve reaches the device's large-GEMM rate.
+SHAPES = [(512, 64, 64), (512, 64, 176), (512, 176, 64), (512, 64, 2048), (512, 256, 256),
+          (512, 256, 688), (2048, 256, 8192), (1024, 1024, 1024), (2048, 2048, 2048)]
+QUICK_SHAPES = [(512, 64, 64), (512, 64, 2048), (512, 256, 688), (1024, 1024, 1024)]
+SIZES_BYTES = [2**k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
+QUICK_SIZES_BYTES = [2**12, 2**16, 2**20, 2**22]
+
+
+def _median_time(fn, warmup: int = 2, min_iters: int = 5, min_time_s: float = 0.05) -> float:
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_iters or time.perf_counter() - start < min_time_s:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+        if len(times) >= 200:
+            break
+    return statistics.median(times)
+
+
+def gemm_curve(dtype_name: str, shapes: list[tuple[int, int, int]]) -> list[list[float]]:
+    import torch
+
+    dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype_name])
+    out = []
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        t = _median_time(lambda: torch.mm(a, b))
+        out.append([2.0 * m * k * n, 2.0 * m * k * n / t / 1e12])
+    return sorted(out)
+
+
+def op_overhead_s(n_ops: int = 64) -> float:
+    """Seconds per eager op, forward + backward, on a tensor too small for its work to count."""
+    import torch
+
+    x = torch.ones(8, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(n_ops):
+            y = y * 1.0001
+        y.sum().backward()
+
+    return _median_time(chain) / (2 * n_ops)  # each op runs once forward, once backward
+
+
+def stream_gbps(mib: int = 64) -> float:
+    import torch
+
+    src = torch.ones(mib * 2**18)  # fp32: mib MiB
+    dst = torch.empty_like(src)
+    t = _median_time(lambda: dst.copy_(src), min_iters=5)
+    return 2 * src.numel() * 4 / t / 1e9  # read + write
+
+
+def engine_step_overhead_s(precision: str, op_s: float) -> float:
+    """DeepSpeed step of a tiny model minus its ops' own cost: the engine's fixed per-step work."""
+    import deepspeed
+    import torch
+
+    from scalestudy.parallel.deepspeed_config import deepspeed_config
+    from scalestudy.spec.load import validate_spec
+    from scalestudy.spec.study import expand
+
+    spec = validate_spec({"name": "calibrate", "model": "llama2-tiny", "hardware": "cpu-local",
+                          "precision": precision, "micro_batch": 1, "world_size": 1})
+    ds = deepspeed_config(expand(spec)[0].config)
+    ds["train_batch_size"] = ds["train_micro_batch_size_per_gpu"] * torch.distributed.get_world_size()
+    layers = 10  # 20 parameter tensors, about as many as the small catalogue models have
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)])
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    x = torch.ones(1, 8, dtype=next(engine.module.parameters()).dtype)
+
+    def step() -> None:
+        loss = engine(x).float().sum()
+        engine.backward(loss)
+        engine.step()
+
+    t = _median_time(step, warmup=3, min_iters=10)
+    return max(0.0, t - 3 * (layers + 2) * op_s)  # forward, input and weight gradients per layer
+
+
+def _collective(op: str, size: int, world: int):
+    import deepspeed.comm as dc
+    import torch
+
+    n = max(1, size // 4)
+    if op == "all_reduce":
+        t = torch.ones(n)
+        return lambda: dc.all_reduce(t)
+    if op == "all_gather":
+        shard = torch.ones(max(1, n // world))
+        full = torch.empty(shard.numel() * world)
+        return lambda: dc.all_gather_into_tensor(full, shard)
+    full = torch.ones(max(1, n // world) * world)
+    shard = torch.empty(full.numel() // world)
+    return lambda: dc.reduce_scatter_tensor(shard, full)
+
+
+def _fixed_median(fn, iters: int, warmup: int = 3) -> float:
+    """Median over a FIXED number of calls: every rank must issue the same collectives (a
+    time-based loop would let ranks disagree on the count and deadlock)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def comm_curves(world: int, sizes: list[int], iters: int = 20) -> dict[str, list[list[float]]]:
+    import torch.distributed as dist
+
+    out: dict[str, list[list[float]]] = {}
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        factor = (2.0 if op == "all_reduce" else 1.0) * (world - 1) / world
+        curve = []
+        for size in sizes:
+            fn = _collective(op, size, world)
+            dist.barrier()
+            t_max = _all_max(_fixed_median(fn, iters))  # the slowest rank closes the collective
+            curve.append([float(size), factor * size / t_max / 1e9])
+        out[op] = curve
+    return out
+
+
+def _all_max(x: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def calibration_loop(config: dict[str, Any]) -> None:
+    """Ray Train worker: the device benchmarks alone (world 1) or concurrently plus collectives."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # one core per worker, as in trials
+    deepspeed.init_distributed(dist_backend="gloo")
+    world, quick = dist.get_world_size(), config["quick"]
+    shapes = QUICK_SHAPES if quick else SHAPES
+    res: dict[str, Any] = {"world_size": world}
+    dist.barrier()
+    res["op_overhead_s"] = op_overhead_s()
+    res["gemm"] = {p: gemm_curve(p, shapes) for p in config["precisions"]}
+    if world == 1:
+        res["stream_gbps"] = stream_gbps(16 if quick else 64)
+        res["step_overhead_s"] = {p: engine_step_overhead_s(p, res["op_overhead_s"])
+                                  for p in config["precisions"]}
+    else:
+        res["comm"] = comm_curves(world, QUICK_SIZES_BYTES if quick else SIZES_BYTES,
+                                  iters=8 if quick else 20)
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = None
+        if dist.get_rank() == 0:
+            Path(tmp, RESULT_FILE).write_text(json.dumps(res))
+            checkpoint = ray.train.Checkpoint.from_directory(tmp)
+        ray.train.report({"done": 1}, checkpoint=checkpoint)
+
+
+def _fit(world: int, config: dict[str, Any], storage: Path) -> dict[str, Any]:
+    import uuid
+
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    trainer = TorchTrainer(
+        calibration_loop,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 1}),
+        torch_config=TorchConfig(backend="gloo"),
+        run_config=RunConfig(name=f"calibrate-ws{world}-{uuid.uuid4().hex[:6]}",
+                             storage_path=str(storage.resolve()),
+                             failure_config=FailureConfig(max_failures=0)),
+    )
+    result = trainer.fit()
+    with result.checkpoint.as_directory() as d:
+        return json.loads((Path(d) / RESULT_FILE).read_text())
+
+
+def _gemm_ratio(alone: dict, shared: dict) -> float:
+    """Median slowdown of the same GEMMs when every device of the node runs them at once."""
+    ratios = [a[1] / s[1] for p in alone for a, s in zip(alone[p], shared.get(p, [])) if s[1] > 0]
+    return statistics.median(ratios) if ratios else 1.0
+
+
+def build_profile(base: HardwareProfile, alone: dict, shared: dict | None,
+                  name: str | None = None) -> HardwareProfile:
+    """Base figures overridden by the measured ones; extras in `calibration`."""
+    data = base.model_dump(mode="json")
+    cal: dict[str, Any] = dict(data.get("calibration") or {})
+    for prec, curve in alone["gemm"].items():
+        cal[f"gemm_tflops_{prec}"] = curve
+        data["peak_tflops"][prec] = max(c[1] for c in curve)
+    cal["gemm_efficiency"] = 1.0  # the curve is the achieved rate
+    data["hbm_gbps"] = alone["stream_gbps"]
+    cal["hbm_efficiency"] = 1.0
+    cal["op_overhead_s"] = alone["op_overhead_s"]
+    cal["step_overhead_s"] = statistics.median(alone["step_overhead_s"].values())
+    if shared:
+        ops = shared["op_overhead_s"] / alone["op_overhead_s"]
+        cal["shared_node_slowdown"] = max(1.0, statistics.median([ops, _gemm_ratio(alone["gemm"],
+                                                                                    shared["gemm"])]))
+        for op, curve in shared["comm"].items():
+            cal[f"busbw_gbps_{op}"] = curve
+        data["nvlink_gbps_per_gpu"] = max(c[1] for c in shared["comm"]["all_reduce"])
+        cal["calibration_world_size"] = float(shared["world_size"])
+    data["calibration"] = cal
+    data["name"] = name or base.name
+    data["description"] = (f"{base.description} (calibrated "
+                           f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())})")
+    return HardwareProfile(**data)
+
+
+def calibrate(base: HardwareProfile, quick: bool = False, precisions: list[str] | None = None,
+              max_world: int = 2) -> HardwareProfile:
+    """Run the microbenchmarks on the current Ray cluster (started locally when none is joined)."""
+    import ray
+
+    from scalestudy.train.launch import ensure_ray
+
+    if base.kind != "cpu":
+        raise NotImplementedError("calibrate measures CPU devices here; GPU runs need NCCL workers")
+    ensure_ray()
+    precisions = precisions or [p.value for p in base.peak_tflops if p.value != "fp16"]
+    config = {"quick": quick, "precisions": precisions}
+    storage = Path(tempfile.mkdtemp(prefix="scalestudy-calibrate-"))
+    alone = _fit(1, config, storage)
+    world = min(max_world, int(ray.cluster_resources().get("CPU", 1)))
+    shared = _fit(world, config, storage) if world >= 2 else None
+    return build_profile(base, alone, shared)
+
+
+def write_profile(profile: HardwareProfile, path: Path) -> None:
+    data = profile.model_dump(mode="json")
+    path.write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))

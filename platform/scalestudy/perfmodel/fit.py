@@ -1,0 +1,85 @@
+"""Fit the model's efficiency parameters to measured trials (least squares on log tokens/s).
+
+Which parameters are free depends on the device: on CPU the framework costs dominate small models
+(per-op cost, per-step engine cost, the slowdown of cores sharing a node); on GPUs the kernel and link
+efficiencies do. All others keep their profile/default values. Working in log space makes every
+trial's relative error count the same and keeps the parameters positive; the bounds are the physical
+ranges of ModelParams (an efficiency never exceeds 1, a slowdown is at least 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from scalestudy.perfmodel.params import ModelParams, params_for
+from scalestudy.perfmodel.predict import simulate
+from scalestudy.spec.catalog import HardwareProfile
+from scalestudy.spec.study import TrialConfig
+
+FREE_PARAMS = {
+    "cpu": ("op_overhead_s", "step_overhead_s", "shared_node_slowdown"),
+    "gpu": ("gemm_efficiency", "attention_efficiency", "network_efficiency", "overlap_slowdown"),
+}
+_BOUNDS = {  # (low, high) of the physical range, in the parameter's own units
+    "op_overhead_s": (1e-7, 1e-2), "step_overhead_s": (1e-6, 10.0),
+    "shared_node_slowdown": (1.0, 10.0), "gemm_efficiency": (0.05, 1.0),
+    "attention_efficiency": (0.05, 1.0), "network_efficiency": (0.05, 1.0),
+    "overlap_slowdown": (1e-3, 1.0),
+}
+
+
+@dataclass(frozen=True)
+class FitResult:
+    names: tuple[str, ...]
+    before: ModelParams
+    after: ModelParams
+    measured: list[float]
+    predicted_before: list[float]
+    predicted_after: list[float]
+    profile: HardwareProfile
+
+    @staticmethod
+    def mape(pred: list[float], meas: list[float]) -> float:
+        return float(np.mean([abs(p / m - 1) for p, m in zip(pred, meas)]))
+
+
+def tokens_per_s(cfg: TrialConfig, p: ModelParams) -> float:
+    st, _ = simulate(cfg, p)
+    return cfg.tokens_per_step / st.step_s
+
+
+def fit(cfgs: list[TrialConfig], measured: list[float], hw: HardwareProfile,
+        names: tuple[str, ...] | None = None) -> FitResult:
+    """Least-squares fit of `names` (default: FREE_PARAMS of the device kind) on log tokens/s."""
+    from scipy.optimize import least_squares  # scipy only here: predict() stays numpy-free
+
+    if not cfgs or len(cfgs) != len(measured):
+        raise ValueError("fit needs one measured tokens/s per trial, at least one trial")
+    cfgs = [c.model_copy(update={"hardware_profile": hw}) for c in cfgs]
+    names = names or FREE_PARAMS[hw.kind]
+    base = params_for(hw)
+    log_meas = np.log(np.asarray(measured, dtype=float))
+    lo = np.log([_BOUNDS[n][0] for n in names])
+    hi = np.log([_BOUNDS[n][1] for n in names])
+    x0 = np.clip(np.log([max(getattr(base, n), _BOUNDS[n][0]) for n in names]), lo, hi)
+
+    def params(x: np.ndarray) -> ModelParams:
+        return base.model_copy(update={n: float(math.exp(v)) for n, v in zip(names, x)})
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        p = params(x)
+        return np.log([tokens_per_s(c, p) for c in cfgs]) - log_meas
+
+    sol = least_squares(residuals, x0, bounds=(lo - 1e-12, hi + 1e-12), x_scale=1.0)
+    after = params(sol.x)
+    cal = dict(hw.calibration)
+    cal.update({n: getattr(after, n) for n in names})
+    profile = hw.model_copy(update={"calibration": cal})
+    return FitResult(
+        names=tuple(names), before=base, after=after, measured=list(measured),
+        predicted_before=[tokens_per_s(c, base) for c in cfgs],
+        predicted_after=[tokens_per_s(c, after) for c in cfgs], profile=profile,
+    )

@@ -1,0 +1,72 @@
+"""Step time = compute + exposed communication + pipeline bubble.
+
+Algorithm, per micro-batch of one device (F forward, B backward incl. recomputation):
+  * Forward-phase communication (ZeRO-3 gathers) runs on its own stream while earlier layers compute.
+    Exposed = max(first chunk, comm - F): the first unit's gather has nothing before it to hide
+    behind, and what exceeds the window waits. Hidden communication still costs overlap_slowdown of
+    its length in compute (its kernels take SMs and HBM bandwidth from the GEMMs it overlaps).
+  * Backward-phase communication (ZeRO-3 gathers and reduce_scatters, ZeRO-2 reduce_scatters) likewise
+    against B, with the last reduction exposed (nothing computes after it).
+  * ZeRO-0/1 gradient all_reduce overlaps only the last micro-batch's backward; the last bucket is
+    exposed.
+  * Blocking communication (TP all_reduces, pipeline send/recv) adds in full.
+Per step: m micro-batches of (compute + exposed); 1F1B pipelines add (pp - 1) micro-batch slots of
+bubble (Narayanan et al. 2021: bubble fraction (pp-1)/(m+pp-1)); then the optimizer step and the ZeRO-1/2
+post-step weight gather, neither of which overlaps anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scalestudy.perfmodel import parallelism as par
+from scalestudy.perfmodel.compute import ComputeTimes
+from scalestudy.perfmodel.params import ModelParams
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float   # per step, per device, including the optimizer
+    comm_s: float      # all communication issued per step, hidden or not
+    exposed_s: float   # communication nothing overlapped
+    bubble_s: float    # pipeline fill and drain
+    step_s: float
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.compute_s / self.step_s if self.step_s > 0 else 0.0
+
+
+def _exposed(comms: list[par.Comm], phase: str, window_s: float) -> tuple[float, float]:
+    """(exposed, hidden) seconds of one phase's communication against a compute window."""
+    selected = [c for c in comms if c.phase == phase]
+    if not selected:
+        return 0.0, 0.0
+    total = sum(c.time_s for c in selected)
+    chunk = max(c.chunk_s for c in selected)
+    exposed = min(total, max(chunk, total - window_s))
+    return exposed, total - exposed
+
+
+def step_time(ct: ComputeTimes, comms: list[par.Comm], grad_accum: int, pp: int,
+              p: ModelParams) -> StepTime:
+    m, slow = grad_accum, p.overlap_slowdown
+    # Per-micro-batch shares of the phases that repeat every micro-batch.
+    per_mb = [par.Comm(c.kind, c.phase, c.calls_per_step / m, c.bytes_per_call,
+                       c.time_per_call_s, c.chunk_s)
+              for c in comms if c.phase in (par.FORWARD, par.BACKWARD)]
+    bwd_window = ct.backward_s + ct.recompute_s
+    exp_f, hid_f = _exposed(per_mb, par.FORWARD, ct.forward_s)
+    exp_b, hid_b = _exposed(per_mb, par.BACKWARD, bwd_window)
+    blocking_mb = sum(c.time_s for c in comms if c.phase == par.BLOCKING) / m
+    compute_mb = ct.micro_batch_s + slow * (hid_f + hid_b)
+    slot = compute_mb + exp_f + exp_b + blocking_mb
+    # The last backward also hides the ZeRO-0/1 all_reduce, in what its own traffic left free.
+    spare = max(0.0, bwd_window - hid_b - exp_b)
+    exp_last, hid_last = _exposed(comms, par.LAST_BACKWARD, spare)
+    after = sum(c.time_s for c in comms if c.phase == par.AFTER_STEP)
+    bubble = (pp - 1) * slot
+    compute = m * compute_mb + ct.optimizer_s + slow * hid_last
+    exposed = m * (exp_f + exp_b + blocking_mb) + exp_last + after
+    step = compute + exposed + bubble
+    return StepTime(compute, sum(c.time_s for c in comms), exposed, bubble, step)

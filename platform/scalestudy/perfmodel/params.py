@@ -1,0 +1,75 @@
+"""The performance model's efficiency parameters: few, physical, the same for every trial.
+
+A hardware profile's data-sheet figures (peak FLOP/s, HBM and link bandwidths) say what a device
+could do; these parameters say which fraction of it real kernels reach. Defaults are for NVIDIA
+data-centre GPUs with cuBLAS, FlashAttention-style fused attention and NCCL; a profile overrides any of
+them through its `calibration` mapping (what `scalestudy calibrate` measures and `scalestudy fit`
+fits), using the field names below as keys. Nothing here is tuned per trial or per published row.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scalestudy.spec.catalog import HardwareProfile
+
+
+class ModelParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Compute ---------------------------------------------------------------------------------
+    # Fraction of peak a large, square GEMM reaches (cuBLAS bf16: ~0.85-0.9 on A100, ~0.7-0.75 on
+    # H100 SXM where power limits clocks). Per device in hardware.yaml's calibration.
+    gemm_efficiency: float = Field(0.85, gt=0, le=1)
+    # Fused attention relative to a GEMM at the same precision (FlashAttention-2: ~70% of peak fwd on
+    # A100, lower in backward; Dao 2023, fig. 4-6).
+    attention_efficiency: float = Field(0.75, gt=0, le=1)
+    # The software stack's attention kernel: fused (FlashAttention, PyTorch SDPA; the default since
+    # 2022) or materialised scores (Megatron-LM 2021: batched GEMMs around a fused softmax), whose
+    # a*s*s score tensors cost HBM traffic and memory (see compute.py and memory.py).
+    fused_attention: bool = True
+    # Achievable fraction of HBM bandwidth for streaming kernels (norms, activations, optimizer).
+    hbm_efficiency: float = Field(0.8, gt=0, le=1)
+    # Fixed cost of one kernel / framework op (launch + dispatch). GPU: ~5-10 us of CPU-side launch that
+    # is mostly hidden by asynchronous launches, so a small default; CPU eager PyTorch: tens of us.
+    op_overhead_s: float = Field(4e-6, ge=0)
+    # Compute slowdown of each device while every device of its node is busy, against one device
+    # alone (measured by calibrate: CPU cores share caches, memory bandwidth and the OS's other work;
+    # a GPU has its own SMs and HBM, so 1).
+    shared_node_slowdown: float = Field(1.0, ge=1)
+    # Fixed cost per optimizer step outside the kernels above (engine bookkeeping, loss scaling,
+    # gradient-norm reduction, data loading not hidden).
+    step_overhead_s: float = Field(0.0, ge=0)
+    # Network ---------------------------------------------------------------------------------
+    # Achievable bus bandwidth / link rate for large messages (nccl-tests busbw: DGX A100 NVLink
+    # ~230 of 300 GB/s; HDR/NDR InfiniBand ~0.8-0.9 of line rate).
+    nvlink_efficiency: float = Field(0.8, gt=0, le=1)
+    network_efficiency: float = Field(0.8, gt=0, le=1)
+    # Multiplies the per-step latencies of NCCL's own tuning model (network.py: base, NVLink-hop and
+    # network-hop latency per protocol); 1 = NCCL's published table.
+    latency_scale: float = Field(1.0, gt=0)
+    # Overlap ---------------------------------------------------------------------------------
+    # Compute slowdown per second of hidden communication: NCCL kernels occupy SMs (its channels,
+    # ~16-24 of 108-132 SMs) and HBM bandwidth while they overlap compute, so hiding is never free.
+    overlap_slowdown: float = Field(0.15, ge=0, le=1)
+    # Power -------------------------------------------------------------------------------------
+    # Power of a device that is only communicating or waiting, as a fraction of (TDP - idle).
+    comm_power_fraction: float = Field(0.3, ge=0, le=1)
+
+
+FIELDS = tuple(ModelParams.model_fields)
+
+
+def params_for(hw: HardwareProfile, **overrides: float | bool) -> ModelParams:
+    """Defaults overridden by the profile's scalar calibration entries of the same name."""
+    chosen = {k: v for k, v in hw.calibration.items() if k in FIELDS}
+    chosen.update(overrides)
+    return _cached(json.dumps(chosen, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _cached(blob: str) -> ModelParams:
+    return ModelParams(**json.loads(blob))

@@ -1,0 +1,124 @@
+"""predict(trial) -> TrialResult: the simulate backend, same schema as a measured trial.
+
+Feasibility first (the memory model); then compute (compute.py), the communication the layout issues
+(parallelism.py, priced by network.py), the schedule that hides part of it (overlap.py) and power
+(power.py). Measured-only fields (losses, measured energy, wall time) stay NaN with a reason.
+"""
+
+from __future__ import annotations
+
+from scalestudy import metrics as M
+from scalestudy.metrics import CollectiveStats, Status, TrialResult
+from scalestudy.perfmodel import parallelism as par
+from scalestudy.perfmodel.compute import compute_times
+from scalestudy.perfmodel.flops import hardware_flops_per_token, model_flops_per_token, utilization
+from scalestudy.perfmodel.memory import memory_breakdown
+from scalestudy.perfmodel.overlap import StepTime, step_time
+from scalestudy.perfmodel.params import ModelParams, params_for
+from scalestudy.perfmodel.power import estimate_power
+from scalestudy.spec.catalog import HardwareProfile
+from scalestudy.spec.errors import InfeasibleTrial
+from scalestudy.spec.study import PlannedTrial, TrialConfig
+
+BACKEND = "simulate"
+_NOT_MODELLED = {
+    M.LOSS_FIRST: "simulated trial: no training",
+    M.LOSS_LAST: "simulated trial: no training",
+    M.POWER_W: "simulated trial: see power_w_estimated",
+    M.ENERGY_J: "simulated trial: see energy_j_estimated",
+    M.ENERGY_PER_TOKEN_J: "simulated trial: see energy_per_token_j_estimated",
+    M.TOKENS_PER_J: "simulated trial: see tokens_per_j_estimated",
+    M.WALL_TIME_S: "simulated trial",
+    M.TIME_TO_FIRST_STEP_S: "simulated trial",
+    M.STEP_TIME_P90_S: "the model predicts one step time, no distribution",
+}
+
+
+def _busbw_factor(kind: str, n: int) -> float:
+    if kind == "send_recv" or n <= 1:
+        return 1.0
+    return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n
+
+
+def _comm_stats(cfg: TrialConfig, comms: list[par.Comm]) -> dict[str, CollectiveStats]:
+    groups = {"tp": cfg.tp, "dp": cfg.dp}
+    out: dict[str, CollectiveStats] = {}
+    for kind, (calls, nbytes, secs) in par.by_kind(comms).items():
+        # Bus bandwidth uses the group the collective runs in: TP for blocking all_reduces.
+        n = groups["tp"] if kind == "all_reduce" and cfg.tp > 1 and cfg.dp == 1 else groups["dp"]
+        algbw = nbytes / secs / 1e9 if secs > 0 else float("nan")
+        out[kind] = CollectiveStats(count=calls, bytes=nbytes, time_s=secs, algbw_gbps=algbw,
+                                    busbw_gbps=algbw * _busbw_factor(kind, n))
+    return out
+
+
+def simulate(cfg: TrialConfig, p: ModelParams | None = None) -> tuple[StepTime, list[par.Comm]]:
+    """Step-time breakdown of a trial, without feasibility checks (for fitting and analysis)."""
+    p = p or params_for(cfg.hardware_profile)
+    ct = compute_times(cfg, p)
+    comms = par.communication(cfg, p)
+    return step_time(ct, comms, cfg.grad_accum, cfg.pp, p), comms
+
+
+def predict(cfg: TrialConfig, hardware: HardwareProfile | None = None,
+            params: ModelParams | None = None) -> TrialResult:
+    """One trial's predicted result; status `infeasible` with the reason when it cannot run."""
+    if hardware is not None and hardware is not cfg.hardware_profile:
+        cfg = cfg.model_copy(update={"hardware_profile": hardware, "hardware": hardware.name})
+    base = {**cfg.config_fields(), "backend": BACKEND}
+    p = params or params_for(cfg.hardware_profile)
+    mem = memory_breakdown(cfg, fused_attention=p.fused_attention)
+    if mem.total_gib > cfg.hardware_profile.hbm_gib:
+        reason = (f"needs {mem.total_gib:.1f} GiB per device, "
+                  f"has {cfg.hardware_profile.hbm_gib:.0f} GiB")
+        return TrialResult(**base, status=Status.infeasible, reason=reason,
+                           peak_memory_gib=mem.total_gib, memory_source="model")
+    st, comms = simulate(cfg, p)
+    tokens_s = cfg.tokens_per_step / st.step_s
+    per_device = tokens_s / cfg.world_size
+    peak = cfg.hardware_profile.peak_flops(cfg.precision)
+    mflops = model_flops_per_token(cfg.model_dims, cfg.seq_len)
+    hflops = hardware_flops_per_token(cfg.model_dims, cfg.seq_len, cfg.activation_checkpointing)
+    pw = estimate_power(cfg, st, p)
+    return TrialResult(
+        **base,
+        status=Status.completed,
+        step_time_s=st.step_s,
+        step_times_s=[st.step_s],
+        tokens_per_s=tokens_s,
+        tokens_per_s_per_device=per_device,
+        model_tflops_per_device=mflops * per_device / 1e12,
+        mfu=utilization(mflops, per_device, peak),
+        hfu=utilization(hflops, per_device, peak),
+        comm_time_s=st.comm_s,
+        comm_exposed_s=st.exposed_s,
+        comm_exposed_fraction=st.exposed_s / st.step_s,
+        compute_time_s=st.compute_s,
+        bubble_time_s=st.bubble_s,
+        comm=_comm_stats(cfg, comms),
+        peak_memory_gib=mem.total_gib,
+        memory_source="model",
+        energy_source="model",
+        power_w_estimated=pw.power_w_per_device,
+        energy_j_estimated=pw.energy_per_step_j * cfg.steps.measure,
+        energy_per_token_j_estimated=pw.energy_per_token_j,
+        tokens_per_j_estimated=pw.tokens_per_j,
+        missing=dict(_NOT_MODELLED),
+        extra={"energy_window_steps": cfg.steps.measure,
+               "total_power_w_estimated": pw.total_power_w,
+               "memory_gib": {"params": mem.params_gib, "grads": mem.grads_gib,
+                              "optimizer": mem.optimizer_gib, "activations": mem.activations_gib,
+                              "overhead": mem.overhead_gib}},
+    )
+
+
+def predict_planned(planned: PlannedTrial) -> TrialResult:
+    """A planned trial (possibly infeasible by its degrees) -> its predicted result."""
+    if not planned.feasible:
+        base = {**planned.config.config_fields(), "backend": BACKEND}
+        return TrialResult(**base, status=Status.infeasible, reason=planned.reason)
+    try:
+        return predict(planned.config)
+    except InfeasibleTrial as err:  # a model term that cannot apply (kept typed, never a crash)
+        base = {**planned.config.config_fields(), "backend": BACKEND}
+        return TrialResult(**base, status=Status.infeasible, reason=str(err))
