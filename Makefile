@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv demo test test-fast bench figures clean
 
 venv: $(STAMP)
 
@@ -17,7 +17,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m scalestudy.demo experiments/quickstart.yaml
+	$(BIN)/scalestudy validate experiments/quickstart.yaml
+	$(BIN)/scalestudy sweep experiments/quickstart.yaml
+	$(BIN)/scalestudy report quickstart --out reports/quickstart
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests -q
@@ -27,7 +29,14 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests/unit tests/validation -q
 
 bench: $(STAMP)
-	$(BIN)/python -m tests.bench.overhead
+	$(BIN)/python tests/bench/overhead.py
+	$(BIN)/python tests/bench/predict_speed.py
+
+# README headline figures: sweep every paper study with the performance model (simulate backend,
+# seconds), report each, copy the headline PNGs and their computed sentences to docs/figures/.
+figures: $(STAMP)
+	for spec in experiments/paper/*.yaml; do $(BIN)/scalestudy sweep $$spec || exit 1; done
+	$(BIN)/python -m scalestudy_analysis.headline experiments/paper docs/figures
 
 clean:
 	rm -rf results reports mlflow.db

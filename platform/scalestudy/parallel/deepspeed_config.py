@@ -12,7 +12,6 @@ def deepspeed_config(cfg: TrialConfig) -> dict[str, Any]:
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch,
         "gradient_accumulation_steps": cfg.grad_accum,
-        "train_batch_size": cfg.global_batch,
         # torch_adam: DeepSpeed's default FusedAdam JIT-compiles a kernel on first use (~50 s on CPU).
         "optimizer": {
             "type": "AdamW",
@@ -29,4 +28,8 @@ def deepspeed_config(cfg: TrialConfig) -> dict[str, Any]:
         ds["fp16"] = {"enabled": True, "initial_scale_power": 16}
     if cfg.tp > 1:
         ds["tensor_parallel"] = {"autotp_size": cfg.tp}
+    else:
+        # DeepSpeed checks this against micro x accumulation x its data-parallel size; under AutoTP
+        # its config check counts the whole world as data parallel, so it is only set without TP.
+        ds["train_batch_size"] = cfg.global_batch
     return ds

@@ -140,5 +140,6 @@ def summarize(cfg: TrialConfig, summary: dict, t0: float) -> TrialResult:
         time_to_first_step_s=(first - t0) if first else M.NAN,
         extra={"deepspeed_config": summary["deepspeed_config"],
                "comm_logger": summary.get("comm_logger", {}),
-               "comm_trace_device": summary.get("comm_trace_device")},
+               "comm_trace_device": summary.get("comm_trace_device"),
+               "shard_shapes": summary.get("shard_shapes")},
     )

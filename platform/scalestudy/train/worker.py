@@ -38,6 +38,35 @@ def _mean_over_ranks(value: float, device) -> float:
     return float(t.item()) / dist.get_world_size()
 
 
+def _check_tp_group(grid, rank: int) -> None:
+    """DeepSpeed builds its own TP groups; refuse to measure if they differ from our grid."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    ours = next(g for g in grid.tp_groups() if rank in g)
+    theirs = dist.get_process_group_ranks(groups.get_tensor_model_parallel_group())
+    if sorted(theirs) != ours:
+        raise RuntimeError(f"DeepSpeed TP group {theirs} differs from the grid's {ours}")
+
+
+SHARD_PROBES = ("layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight")
+
+
+def _gather_shard_shapes(module) -> list[dict[str, list[int]]]:
+    """Per rank, the local shape of a column-split and a row-split weight (ZeRO-3 keeps the
+    unpartitioned local shape in `ds_shape`)."""
+    import torch.distributed as dist
+
+    mine = {}
+    for name, p in module.named_parameters():
+        for probe in SHARD_PROBES:
+            if name.endswith(probe):
+                mine[probe] = list(getattr(p, "ds_shape", p.shape))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
 def _fault_step(spec: str | None, run_name: str) -> int | None:
     """'RUN_NAME@STEP' (or '*@STEP') -> STEP when it names this trial."""
     if not spec:
@@ -66,6 +95,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     from scalestudy.measure.profiled_window import reduce_across_ranks, run_profiled_window
     from scalestudy.measure.utilization import make_utilization
     from scalestudy.parallel.deepspeed_config import deepspeed_config
+    from scalestudy.parallel.grid import ProcessGrid
     from scalestudy.train.data import global_batch, micro_batch_slice
     from scalestudy.train.model_factory import build_model
 
@@ -84,7 +114,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config
     )
-    dp_rank = rank // cfg.tp  # ranks form arange(world).view(dp, tp): tp groups are consecutive
+    grid = ProcessGrid(cfg.world_size, cfg.tp, cfg.pp)
+    dp_rank = grid.coords(rank)[0]
+    if cfg.tp > 1:
+        _check_tp_group(grid, rank)
 
     def one_step(step: int) -> torch.Tensor:
         batch = global_batch(step, cfg.global_batch, cfg.seq_len, cfg.model_dims.vocab_size, cfg.seed)
@@ -151,6 +184,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         "peak_memory_gib": float(peak_t.item()),
         "memory_source": source,
         "first_measured_step_wall": first_measured_wall,
+        "shard_shapes": _gather_shard_shapes(engine.module),
         "deepspeed_config": ds_config,
         "energy_j": energy.energy_j,
         "power_w": energy.power_w,
