@@ -7,6 +7,7 @@ import math
 import pytest
 
 from scalestudy.metrics import Status
+from scalestudy.spec import catalog
 from scalestudy.train.launch import run_trial
 from tests.conftest import trial
 
@@ -33,7 +34,7 @@ def test_tp2_matches_tp1(reference, ray_storage, stage):
     assert r.status is Status.completed, r.reason
     assert (r.tp, r.dp, r.grad_accum) == (2, 1, 2)
     assert _close(r.losses, reference.losses), (r.losses, reference.losses)
-    dims = trial(["world_size=2", "tp=2"]).model_dims
+    dims = catalog.get_model(r.model)
     for shapes in r.extra["shard_shapes"]:
         assert shapes["layers.0.self_attn.q_proj.weight"] == [dims.hidden_size // 2, dims.hidden_size]
         assert shapes["layers.0.mlp.down_proj.weight"] == [dims.hidden_size, dims.ffn // 2]

@@ -17,7 +17,7 @@ STAGES = (0, 1, 2, 3)
 def fp32_results(ray_session, ray_storage):
     out = {}
     for stage in STAGES:
-        cfg = trial(["world_size=2", f"zero_stage={stage}", "precision=fp32", "micro_batch=2",
+        cfg = trial(["world_size=2", "tp=1", f"zero_stage={stage}", "precision=fp32", "micro_batch=2",
                      "steps={warmup: 2, measure: 8, profile: 0}"])
         out[stage] = run_trial(cfg, ray_storage)
     return out

@@ -116,4 +116,4 @@ def test_cli_validate_ok(tmp_path):
         capture_output=True, text=True, cwd=Path(__file__).parents[2],
     )
     assert proc.returncode == 0, proc.stderr
-    assert "16 trials (12 runnable, 4 infeasible)" in proc.stdout
+    assert "8 trials (8 runnable, 0 infeasible)" in proc.stdout

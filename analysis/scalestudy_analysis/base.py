@@ -1,0 +1,169 @@
+"""Shared pieces of the figure functions: skipping, series grouping, styling, labels.
+
+Every figure draws from completed trials only and groups them into series by the config axes that
+actually vary in the study, so the same function serves a 2-trial quick-start and a 200-trial sweep.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+import matplotlib
+
+matplotlib.use("Agg")  # reports are rendered headless; never pick an interactive backend
+
+import pandas as pd  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+
+from scalestudy_analysis.load import MEASURED, PREDICTED, completed  # noqa: E402
+
+# Lines carry a gid so tests (and notebook users) can tell data series from guides.
+GID_DATA, GID_IDEAL, GID_GUIDE = "data", "ideal", "guide"
+# Axes that can split a figure into series, in the order their labels are written. global_batch is
+# last: under weak scaling it follows from micro_batch and dp and then adds nothing to the label.
+SERIES_AXES = ("model", "hardware", "world_size", "tp", "pp", "zero_stage", "micro_batch",
+               "seq_len", "precision", "activation_checkpointing", "global_batch")
+AXIS_LABELS = {
+    "world_size": "ws{}", "tp": "TP{}", "pp": "PP{}", "zero_stage": "ZeRO-{}",
+    "micro_batch": "mb{}", "seq_len": "seq{}", "global_batch": "gb{}",
+    "activation_checkpointing": "ckpt={}",
+}
+# Known accelerator generations, oldest first; anything else sorts after them by name.
+GENERATIONS = ("v100", "a100", "h100", "h200", "b200", "gb200")
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
+           "#17becf", "#7f7f7f", "#bcbd22")
+SOURCE_STYLE = {MEASURED: dict(linestyle="-", marker="o"), PREDICTED: dict(linestyle="--", marker="x")}
+
+
+class FigureSkipped(ValueError):
+    """The study lacks what this figure needs; ``str(err)`` is the note the report shows."""
+
+
+def finite(df: pd.DataFrame, *columns: str) -> pd.DataFrame:
+    """Completed rows with a finite value in every column; skips the figure when none is left."""
+    missing = [c for c in columns if c not in df]
+    if missing:
+        raise FigureSkipped(f"the study has no {', '.join(missing)} column")
+    done = completed(df)
+    out = done.dropna(subset=list(columns))
+    if out.empty:
+        raise FigureSkipped(f"no completed trial has {' and '.join(columns)}")
+    return out
+
+
+def need_values(df: pd.DataFrame, column: str, n: int = 2) -> list:
+    values = sorted(df[column].dropna().unique())
+    if len(values) < n:
+        raise FigureSkipped(f"needs at least {n} values of {column}; the study has "
+                            f"{', '.join(map(str, values)) or 'none'}")
+    return values
+
+
+def series_keys(df: pd.DataFrame, x: str | Iterable[str], exclude: Iterable[str] = ()) -> list[str]:
+    """The axes that still vary once x (and the source) is fixed: each combination is a series.
+    An axis determined by the keys already chosen (global_batch under weak scaling) is left out."""
+    fixed = [x] if isinstance(x, str) else list(x)
+    keys: list[str] = []
+    for axis in SERIES_AXES:
+        if axis in fixed or axis in exclude or axis not in df:
+            continue
+        by = fixed + keys + ["source"]
+        if df.groupby(by, dropna=False)[axis].nunique(dropna=False).max() > 1:
+            keys.append(axis)
+    return keys
+
+
+def label_of(keys: list[str], values: tuple) -> str:
+    parts = [AXIS_LABELS.get(k, "{}").format(v) for k, v in zip(keys, values)]
+    return " ".join(parts)
+
+
+def iter_series(df: pd.DataFrame, x: str | Iterable[str], exclude: Iterable[str] = ()
+                ) -> Iterator[tuple[str, str, dict, pd.DataFrame]]:
+    """(label, source, matplotlib style, rows sorted by x) per series; colour follows the config
+    (so measured and predicted of one config share it), line style follows the source."""
+    keys = series_keys(df, x, exclude)
+    sort_by = [x] if isinstance(x, str) else list(x)
+    both_sources = df["source"].nunique() > 1
+    configs = sorted({tuple(r) for r in df[keys].itertuples(index=False)}, key=str) if keys else [()]
+    for source in (MEASURED, PREDICTED, *sorted(set(df["source"]) - {MEASURED, PREDICTED})):
+        part = df[df["source"] == source]
+        if part.empty:
+            continue
+        groups = part.groupby(keys, dropna=False, sort=True) if keys else [((), part)]
+        for values, rows in groups:
+            values = values if isinstance(values, tuple) else (values,)
+            label = label_of(keys, values) if keys else ""
+            if both_sources or not label:
+                label = f"{label} ({source})" if label else source
+            colour = PALETTE[configs.index(tuple(values)) % len(PALETTE)] if keys else PALETTE[0]
+            style = dict(SOURCE_STYLE.get(source, SOURCE_STYLE[MEASURED]), color=colour)
+            yield label, source, style, rows.sort_values(sort_by)
+
+
+def primary(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows a sentence speaks about: measured ones when the study has any, else predicted."""
+    meas = df[df["source"] == MEASURED]
+    return meas if not meas.empty else df
+
+
+def log2_x(ax: Axes, values: Iterable[float]) -> None:
+    """World sizes are powers of two in every study; label the ticks with the sizes themselves."""
+    ticks = sorted({int(v) for v in values})
+    ax.set_xscale("log", base=2)
+    if len(ticks) > 12:  # keep labels readable on wide sweeps
+        ticks = ticks[:: math.ceil(len(ticks) / 12)]
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(t) for t in ticks])
+    ax.minorticks_off()
+
+
+def generation_order(names: Iterable[str]) -> list[str]:
+    def key(name: str) -> tuple[int, str]:
+        low = name.lower()
+        for i, gen in enumerate(GENERATIONS):
+            if low.startswith(gen):
+                return i, low
+        return len(GENERATIONS), low
+
+    return sorted(set(names), key=key)
+
+
+def trial_label(row: pd.Series | dict, with_model: bool = False) -> str:
+    """Short trial name (ws2-tp1-z3-mb4), as run names are written."""
+    name = f"ws{row['world_size']}-tp{row['tp']}"
+    if row.get("pp", 1) and int(row.get("pp", 1)) > 1:
+        name += f"-pp{row['pp']}"
+    name += f"-z{row['zero_stage']}-mb{row['micro_batch']}"
+    if with_model:
+        name = f"{row['model']}/{row['hardware']} {name}"
+    return name
+
+
+def varies(df: pd.DataFrame, column: str) -> bool:
+    return column in df and df[column].nunique(dropna=False) > 1
+
+
+def power_columns(df: pd.DataFrame) -> list[tuple[str, str, str]]:
+    """(total power column, tokens-per-joule column, suffix) for measured and for modelled energy,
+    those with data only: the two are never mixed into one number."""
+    out = []
+    for power, tpj, suffix in (("total_power_w", "tokens_per_j", ""),
+                               ("total_power_w_estimated", "tokens_per_j_estimated", ", modelled")):
+        if power in df and completed(df)[power].notna().any():
+            out.append((power, tpj, suffix))
+    if not out:
+        raise FigureSkipped("no completed trial has measured or modelled power "
+                            "(power_w / power_w_estimated)")
+    return out
+
+
+def power_unit(watts: Iterable[float]) -> tuple[float, str]:
+    """(divisor, unit) so the largest total power reads naturally: a CPU study draws watts, a
+    2048-GPU study megawatts."""
+    top = max((w for w in watts if w == w), default=0.0)
+    for div, unit in ((1e6, "MW"), (1e3, "kW")):
+        if top >= div:
+            return div, unit
+    return 1.0, "W"

@@ -1,0 +1,174 @@
+"""`report_study`: a study -> report.html + one PNG per figure, logged to the study's MLflow run.
+
+`write_report` does the same for any tidy frame (a notebook's own selection of trials).
+"""
+
+from __future__ import annotations
+
+import platform as _stdlib_platform  # the stdlib module; our `platform/` dir is no package
+import sys
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import pandas as pd
+
+from scalestudy.track.mlflow_writer import ROLE_TAG
+from scalestudy_analysis.figures import Panel, draw_all, save_pngs
+from scalestudy_analysis.html import render
+from scalestudy_analysis.load import (
+    StudyNotFound,
+    find_spec,
+    load_study,
+    resolve_tracking_uri,
+    store_exists,
+)
+
+REPORT_FILE = "report.html"
+ARTIFACT_DIR = "report"
+PACKAGES = ("scalestudy", "pandas", "numpy", "pyarrow", "matplotlib", "mlflow", "pydantic",
+            "torch", "ray", "deepspeed", "transformers")
+
+
+@dataclass
+class Report:
+    path: Path  # report.html
+    pngs: list[Path]
+    panels: list[Panel]
+    mlflow_run_id: str | None = None  # the parent run the report was logged to
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def figures_drawn(self) -> int:
+        return sum(p.drawn for p in self.panels)
+
+
+def software_versions() -> dict[str, str]:
+    """Installed versions, read from package metadata so torch and ray are never imported here."""
+    out = {"python": sys.version.split()[0], "os": _stdlib_platform.platform()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def write_report(df: pd.DataFrame, out_dir: str | Path, study: str, *,
+                 spec_text: str | None = None, spec_source: str | None = None,
+                 data_source: str = "a DataFrame", notes: list[str] | None = None) -> Report:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    panels = draw_all(df)
+    pngs = save_pngs(panels, out)
+    text = render(study, df, panels, spec_text=spec_text, spec_source=spec_source,
+                  versions=software_versions(), data_source=data_source, notes=notes or [])
+    path = out / REPORT_FILE
+    path.write_text(text, encoding="utf-8")
+    return Report(path=path, pngs=pngs, panels=panels, notes=list(notes or []))
+
+
+def _spec_of(study: str, spec_path: str | Path | None):
+    """(spec text, where it came from, experiment name, tracking URI) for the study, as far as a
+    spec YAML on disk tells; the spec may name its own MLflow experiment and store."""
+    path = Path(spec_path) if spec_path else find_spec(study)
+    if path is None or not path.is_file():
+        return None, None, None, None
+    text = path.read_text()
+    experiment = uri = None
+    try:
+        from scalestudy.spec.load import load_spec
+
+        spec = load_spec(path)
+        experiment, uri = spec.experiment, spec.tracking.mlflow_uri
+    except Exception:  # noqa: BLE001 - an outdated spec still belongs in the report as text
+        pass
+    return text, str(path), experiment, uri
+
+
+def latest_sweep_run(experiment: str, tracking_uri: str) -> str | None:
+    """Run id of the experiment's newest parent run (tag scalestudy.role=sweep), or None."""
+    if not store_exists(tracking_uri):
+        return None
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri)
+    if mlflow.get_experiment_by_name(experiment) is None:
+        return None
+    runs = mlflow.search_runs(
+        experiment_names=[experiment], filter_string=f"tags.`{ROLE_TAG}` = 'sweep'",
+        order_by=["attributes.start_time DESC"], max_results=1, output_format="pandas")
+    return None if runs.empty else str(runs["run_id"].iloc[0])
+
+
+def logged_spec(run_id: str) -> str | None:
+    """The spec.yaml the sweep logged on its parent run (the spec as it was run)."""
+    import mlflow
+
+    try:
+        return mlflow.artifacts.load_text(f"runs:/{run_id}/spec.yaml")
+    except Exception:  # noqa: BLE001 - older parent runs have no spec artifact
+        return None
+
+
+def log_report(report: Report, run_id: str, tracking_uri: str) -> None:
+    """Attach report.html and the PNGs to the parent run under `report/`."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    for path in [report.path, *report.pngs]:
+        client.log_artifact(run_id, str(path), artifact_path=ARTIFACT_DIR)
+
+
+def report_study(study: str, out_dir: str | Path | None = None, *,
+                 results_root: str | Path = "results", tracking_uri: str | None = None,
+                 spec_path: str | Path | None = None, source: str = "auto",
+                 predictions: bool = True, log_to_mlflow: bool = True) -> Report:
+    """Load the study (ledger, else MLflow), write report.html and one PNG per figure to out_dir
+    (default reports/<study>/) and log them to the study's latest parent MLflow run, if any.
+
+    predictions: add the performance model's prediction of every measured configuration the
+    study has no prediction for (computed now, marked as such), so the parity figure has data.
+    Raises StudyNotFound when neither store has the study. MLflow trouble never loses the report:
+    it becomes a note on the returned Report.
+    """
+    spec_text, spec_source, experiment, spec_uri = _spec_of(study, spec_path)
+    uri = resolve_tracking_uri(tracking_uri or spec_uri)
+    df = load_study(study, source=source, results_root=results_root, tracking_uri=uri,
+                    experiment=experiment, artifacts=True)
+    from scalestudy.track.ledger import ledger_path
+
+    ledger = ledger_path(study, results_root)
+    from_ledger = source != "mlflow" and ledger.exists()
+    data_source = f"the ledger {ledger}" if from_ledger else f"MLflow ({uri})"
+    notes: list[str] = []
+    run_id = None
+    try:
+        run_id = latest_sweep_run(experiment or study, uri)
+    except Exception as err:  # noqa: BLE001 - an unreachable store: report from the ledger alone
+        notes.append(f"MLflow unavailable: {str(err).splitlines()[0]}")
+    if spec_text is None and run_id is not None:
+        spec_text = logged_spec(run_id)
+        spec_source = f"spec.yaml of MLflow run {run_id}" if spec_text else None
+    if predictions:
+        from scalestudy_analysis.predictions import with_predictions
+
+        df, note = with_predictions(df)
+        if note:
+            notes.append(note)
+    out = Path(out_dir) if out_dir else Path("reports") / study
+    report = write_report(df, out, study, spec_text=spec_text, spec_source=spec_source,
+                          data_source=data_source, notes=notes)
+    if log_to_mlflow and run_id is not None:
+        try:
+            log_report(report, run_id, uri)
+            report.mlflow_run_id = run_id
+        except Exception as err:  # noqa: BLE001 - the report on disk is what matters
+            report.notes.append(f"MLflow logging failed: {str(err).splitlines()[0]}")
+    elif log_to_mlflow:
+        report.notes.append("no parent MLflow run of this study: report not logged")
+    return report
+
+
+__all__ = ["Report", "StudyNotFound", "report_study", "write_report", "software_versions",
+           "latest_sweep_run", "log_report"]
