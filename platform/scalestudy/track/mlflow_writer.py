@@ -186,10 +186,12 @@ class MlflowWriter:
             self.client.log_dict(run_id, ds_config, "deepspeed_config.json")
         self.client.log_dict(run_id, json.loads(result.model_dump_json()), "trial_result.json")
         if result.losses or result.step_times_s:
-            n = len(result.losses)
-            timed = [float("nan")] * (n - len(result.step_times_s)) + list(result.step_times_s)
-            table = pa.table({"step": list(range(n)), "loss": result.losses,
-                              "step_time_s": timed[:n] if n else result.step_times_s})
+            # Losses cover every step; step times only the timed window, which ends the run.
+            n = max(len(result.losses), len(result.step_times_s))
+            nan = float("nan")
+            losses = [nan] * (n - len(result.losses)) + list(result.losses)
+            timed = [nan] * (n - len(result.step_times_s)) + list(result.step_times_s)
+            table = pa.table({"step": list(range(n)), "loss": losses, "step_time_s": timed})
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "steps.parquet"
                 pq.write_table(table, path)
