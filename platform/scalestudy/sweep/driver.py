@@ -81,7 +81,8 @@ def run_sweep(
     t0 = time.time()
     planned = check_all(planned)
     ledger = Ledger(ledger_path(spec.name, results_root))
-    done = {r["trial_id"] for r in ledger.rows() if r.get("status") in {s.value for s in DONE_STATUSES}} if resume else set()
+    finished = {s.value for s in DONE_STATUSES}
+    done = {r["trial_id"] for r in ledger.rows() if r.get("status") in finished} if resume else set()
     todo = [p for p in planned if p.config.trial_id not in done]
     outcome = SweepOutcome(skipped=len(planned) - len(todo), ledger=ledger.path)
 
@@ -89,7 +90,8 @@ def run_sweep(
     writer = MlflowWriter(uri, spec.experiment)
     sweep_id = uuid.uuid4().hex[:12]
     parent = writer.start_sweep(sweep_id, spec_text, run_name=f"sweep-{time.strftime('%Y%m%d-%H%M%S')}")
-    total = len(todo) if spec.search.algorithm is SearchAlgorithm.grid else spec.search.num_samples or len(todo)
+    grid = spec.search.algorithm is SearchAlgorithm.grid
+    total = len(todo) if grid else spec.search.num_samples or len(todo)
     try:
         with SweepProgress(total, enabled=show_progress) as progress:
             progress.set_study(spec.name)

@@ -12,6 +12,7 @@ from scalestudy.metrics import Status, TrialResult
 from scalestudy.spec.study import AXES, PlannedTrial, SearchAlgorithm, StudySpec, build_trial, resolve_point
 from scalestudy.sweep.progress import SweepProgress
 from scalestudy.sweep.trainable import RESULT_KEY, trial_trainable
+from scalestudy.train.launch import failure_reason
 
 # The trainable only waits on its TorchTrainer; Tune needs a non-empty bundle for it, and a CPU
 # share would starve the workers on a 2-core machine, so it reserves a little memory instead.
@@ -85,11 +86,6 @@ def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, result
     tuner.fit()
 
 
-def _first_line(text: str | None) -> str:
-    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
-    return lines[-1] if lines else "trial actor failed without an error message"
-
-
 class _RecordCallback(Callback):
     """Runs in the driver process: the ledger and MLflow are written here, never in workers."""
 
@@ -114,5 +110,6 @@ class _RecordCallback(Callback):
             self.recorder.record(TrialResult.model_validate_json(result[RESULT_KEY]))
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        reason = _first_line(getattr(trial, "error_msg", None) or str(trial.get_error() or ""))
+        err = trial.get_error()
+        reason = failure_reason(err) if err else "trial actor failed without an error message"
         self.recorder.record(TrialResult.from_config(self._config(trial), Status.failed, reason=reason))
