@@ -5,9 +5,19 @@ What is measured, and which performance-model figure it replaces (perfmodel/para
     `gemm_tflops_<precision>` curves ([FLOPs of one GEMM, TFLOP/s]) and the best point as
     peak_tflops with gemm_efficiency 1 (the curve already says what small shapes reach).
   * Streaming bandwidth (large tensor copies): hbm_gbps with hbm_efficiency 1.
-  * Per-op cost of eager autograd (a chain of tiny ops, forward + backward): op_overhead_s.
-  * Fixed cost of a DeepSpeed engine step beyond its kernels (a tiny model, the trials' own config
-    builder): step_overhead_s.
+  * Fused causal attention (scaled_dot_product_attention) forward and backward at the catalogue's
+    CPU-sized models' head shapes: `attention_s_<precision>` rows [batch*heads, seq, head_dim, forward
+    s, backward s]. On CPU its time is not a function of FLOPs alone (the kernel works per
+    batch*head tile and its bf16 backward runs 5-20x its forward), hence rows, not a curve.
+  * The LM loss as HF computes it (upcast logits to fp32, cross-entropy): `cross_entropy_s_<precision>`
+    rows [tokens, vocab, forward s, backward s].
+  * Per-op cost of eager PyTorch: forward + backward of llama2-tiny (HF eager, random weights) on 8
+    tokens, where kernels do next to no work, divided by the non-view ops it dispatched (counted on the
+    fly): op_overhead_s, the figure compute.py charges per counted op.
+  * DeepSpeed engine costs, with the trials' own config builder on a stack of small Linear layers:
+    the fixed cost of a step beyond its kernels (step_overhead_s), the optimizer step's seconds per
+    parameter held (from two model widths: optimizer_s_per_param) and ZeRO-3's per-module cost of
+    its fetch/release hooks (stage 3 against stage 0: zero3_module_overhead_s).
   * Collectives: all_reduce / all_gather / reduce_scatter bus bandwidth vs message size through
     deepspeed.comm (what trials call), nccl-tests method: warm-up, repeated timed iterations, median,
     busbw = algbw * 2(n-1)/n (all_reduce) or (n-1)/n: `busbw_gbps_<op>` at the largest world size
@@ -39,6 +49,13 @@ RESULT_FILE = "calibration.json"
 SHAPES = [(512, 64, 64), (512, 64, 176), (512, 176, 64), (512, 64, 2048), (512, 256, 256),
           (512, 256, 688), (2048, 256, 8192), (1024, 1024, 1024), (2048, 2048, 2048)]
 QUICK_SHAPES = [(512, 64, 64), (512, 64, 2048), (512, 256, 688), (1024, 1024, 1024)]
+# (batch, heads, seq, head_dim): llama2-tiny and llama2-small at the micro-batches and sequence
+# lengths the CPU studies use, and one larger head.
+ATTENTION_SHAPES = [(1, 4, 128, 16), (4, 4, 128, 16), (8, 4, 128, 16), (1, 4, 512, 16),
+                    (4, 4, 256, 16), (4, 8, 128, 32), (2, 8, 512, 32), (1, 16, 1024, 64)]
+QUICK_ATTENTION_SHAPES = [(4, 4, 128, 16), (4, 8, 128, 32)]
+LOSS_SHAPES = [(512, 2048), (2048, 2048), (512, 8192), (4096, 8192)]  # (tokens, vocab)
+QUICK_LOSS_SHAPES = [(512, 2048), (512, 8192)]
 SIZES_BYTES = [2**k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 QUICK_SIZES_BYTES = [2**12, 2**16, 2**20, 2**22]
 
@@ -60,7 +77,7 @@ def _median_time(fn, warmup: int = 2, min_iters: int = 5, min_time_s: float = 0.
 def gemm_curve(dtype_name: str, shapes: list[tuple[int, int, int]]) -> list[list[float]]:
     import torch
 
-    dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype_name])
+    dtype = _dtype(dtype_name)
     out = []
     for m, k, n in shapes:
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
@@ -69,19 +86,77 @@ def gemm_curve(dtype_name: str, shapes: list[tuple[int, int, int]]) -> list[list
     return sorted(out)
 
 
-def op_overhead_s(n_ops: int = 64) -> float:
-    """Seconds per eager op, forward + backward, on a tensor too small for its work to count."""
+def _forward_backward_s(forward, grad_of) -> tuple[float, float]:
+    """(forward, backward) seconds of an autograd op: forward alone, then forward + backward."""
+    fwd = _median_time(forward)
+    out = forward()
+    grad = grad_of(out)
+
+    def both() -> None:
+        forward().backward(grad)
+
+    return fwd, max(0.0, _median_time(both) - fwd)
+
+
+def attention_rows(dtype_name: str, shapes: list[tuple[int, int, int, int]]) -> list[list[float]]:
+    import torch
+    import torch.nn.functional as F
+
+    dtype = _dtype(dtype_name)
+    rows = []
+    for b, a, s, d in shapes:
+        q, k, v = (torch.randn(b, a, s, d, dtype=dtype, requires_grad=True) for _ in range(3))
+        fwd, bwd = _forward_backward_s(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), torch.ones_like)
+        rows.append([float(b * a), float(s), float(d), fwd, bwd])
+    return rows
+
+
+def cross_entropy_rows(dtype_name: str, shapes: list[tuple[int, int]]) -> list[list[float]]:
+    import torch
+    import torch.nn.functional as F
+
+    rows = []
+    for tokens, vocab in shapes:
+        logits = torch.randn(tokens, vocab, dtype=_dtype(dtype_name), requires_grad=True)
+        labels = torch.randint(0, vocab, (tokens,))
+        fwd, bwd = _forward_backward_s(lambda: F.cross_entropy(logits.float(), labels),
+                                       lambda out: None)
+        rows.append([float(tokens), float(vocab), fwd, bwd])
+    return rows
+
+
+def _dtype(name: str):
     import torch
 
-    x = torch.ones(8, requires_grad=True)
+    return getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[name])
 
-    def chain() -> None:
-        y = x
-        for _ in range(n_ops):
-            y = y * 1.0001
-        y.sum().backward()
 
-    return _median_time(chain) / (2 * n_ops)  # each op runs once forward, once backward
+def op_overhead_s(precision: str, tokens: int = 8) -> float:
+    """Seconds per dispatched non-view op of a tiny causal LM's forward + backward."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from scalestudy.spec import catalog
+    from scalestudy.train.model_factory import build_model
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    model = build_model(catalog.get_model("llama2-tiny"), seed=0).to(_dtype(precision))
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens))
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    step()
+    with _Count() as counter:
+        step()
+    return _median_time(step, min_iters=10) / counter.ops
 
 
 def stream_gbps(mib: int = 64) -> float:
@@ -93,8 +168,12 @@ def stream_gbps(mib: int = 64) -> float:
     return 2 * src.numel() * 4 / t / 1e9  # read + write
 
 
-def engine_step_overhead_s(precision: str, op_s: float) -> float:
-    """DeepSpeed step of a tiny model minus its ops' own cost: the engine's fixed per-step work."""
+ENGINE_LAYERS = 10  # 20 parameter tensors, about as many as the small catalogue models have
+ENGINE_WIDTHS = (8, 256)  # 720 and 658k parameters: the optimizer's per-parameter slope
+
+
+def _engine_step_s(precision: str, zero_stage: int, width: int) -> tuple[float, float]:
+    """(whole step, optimizer step) median seconds of a DeepSpeed engine on ENGINE_LAYERS Linears."""
     import deepspeed
     import torch
 
@@ -103,21 +182,40 @@ def engine_step_overhead_s(precision: str, op_s: float) -> float:
     from scalestudy.spec.study import expand
 
     spec = validate_spec({"name": "calibrate", "model": "llama2-tiny", "hardware": "cpu-local",
-                          "precision": precision, "micro_batch": 1, "world_size": 1})
+                          "precision": precision, "micro_batch": 1, "world_size": 1,
+                          "zero_stage": zero_stage})
     ds = deepspeed_config(expand(spec)[0].config)
     ds["train_batch_size"] = ds["train_micro_batch_size_per_gpu"] * torch.distributed.get_world_size()
-    layers = 10  # 20 parameter tensors, about as many as the small catalogue models have
-    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(ENGINE_LAYERS)])
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-    x = torch.ones(1, 8, dtype=next(engine.module.parameters()).dtype)
+    x = torch.ones(1, width, dtype=next(engine.module.parameters()).dtype)
+    optimizer_times: list[float] = []
 
     def step() -> None:
-        loss = engine(x).float().sum()
-        engine.backward(loss)
+        engine.backward(engine(x).float().sum())
+        t = time.perf_counter()
         engine.step()
+        optimizer_times.append(time.perf_counter() - t)
 
-    t = _median_time(step, warmup=3, min_iters=10)
-    return max(0.0, t - 3 * (layers + 2) * op_s)  # forward, input and weight gradients per layer
+    total = _median_time(step, warmup=3, min_iters=10)
+    engine.destroy()
+    return total, statistics.median(optimizer_times[3:])
+
+
+def engine_costs(precision: str, op_s: float) -> dict[str, float]:
+    """The DeepSpeed engine's own costs, separated from its kernels' (see the module doc)."""
+    small_total, small_opt = _engine_step_s(precision, 0, ENGINE_WIDTHS[0])
+    _, big_opt = _engine_step_s(precision, 0, ENGINE_WIDTHS[1])
+    zero3_total, _ = _engine_step_s(precision, 3, ENGINE_WIDTHS[0])
+    params = [ENGINE_LAYERS * (w * w + w) for w in ENGINE_WIDTHS]
+    per_param = max(0.0, (big_opt - small_opt) / (params[1] - params[0]))
+    kernels = 3 * (ENGINE_LAYERS + 2) * op_s  # forward, input and weight gradients per layer
+    return {
+        "step_overhead_s": max(0.0, small_total - kernels - per_param * params[0]),
+        "optimizer_s_per_param": per_param,
+        # Hooks run in forward and in backward for each parameterised module.
+        "zero3_module_overhead_s": max(0.0, (zero3_total - small_total) / (2 * ENGINE_LAYERS)),
+    }
 
 
 def _collective(op: str, size: int, world: int):
@@ -189,12 +287,15 @@ def calibration_loop(config: dict[str, Any]) -> None:
     shapes = QUICK_SHAPES if quick else SHAPES
     res: dict[str, Any] = {"world_size": world}
     dist.barrier()
-    res["op_overhead_s"] = op_overhead_s()
+    res["op_overhead_s"] = statistics.median(op_overhead_s(p) for p in config["precisions"])
     res["gemm"] = {p: gemm_curve(p, shapes) for p in config["precisions"]}
     if world == 1:
         res["stream_gbps"] = stream_gbps(16 if quick else 64)
-        res["step_overhead_s"] = {p: engine_step_overhead_s(p, res["op_overhead_s"])
-                                  for p in config["precisions"]}
+        res["attention"] = {p: attention_rows(p, QUICK_ATTENTION_SHAPES if quick else ATTENTION_SHAPES)
+                            for p in config["precisions"]}
+        res["cross_entropy"] = {p: cross_entropy_rows(p, QUICK_LOSS_SHAPES if quick else LOSS_SHAPES)
+                                for p in config["precisions"]}
+        res["engine"] = {p: engine_costs(p, res["op_overhead_s"]) for p in config["precisions"]}
     else:
         res["comm"] = comm_curves(world, QUICK_SIZES_BYTES if quick else SIZES_BYTES,
                                   iters=8 if quick else 20)
@@ -244,7 +345,11 @@ def build_profile(base: HardwareProfile, alone: dict, shared: dict | None,
     data["hbm_gbps"] = alone["stream_gbps"]
     cal["hbm_efficiency"] = 1.0
     cal["op_overhead_s"] = alone["op_overhead_s"]
-    cal["step_overhead_s"] = statistics.median(alone["step_overhead_s"].values())
+    for prec in alone["attention"]:
+        cal[f"attention_s_{prec}"] = alone["attention"][prec]
+        cal[f"cross_entropy_s_{prec}"] = alone["cross_entropy"][prec]
+    for key in ("step_overhead_s", "optimizer_s_per_param", "zero3_module_overhead_s"):
+        cal[key] = statistics.median(costs[key] for costs in alone["engine"].values())
     if shared:
         ops = shared["op_overhead_s"] / alone["op_overhead_s"]
         cal["shared_node_slowdown"] = max(1.0, statistics.median([ops, _gemm_ratio(alone["gemm"],

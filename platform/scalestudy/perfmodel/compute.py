@@ -7,7 +7,10 @@ Algorithm (per transformer block, after the tensor-parallel split):
     a fixed per-op cost. A profile with a measured GEMM curve (`gemm_tflops_<precision>`: pairs of
     [FLOPs of one GEMM, TFLOP/s], from `scalestudy calibrate`) replaces the compute term by the curve,
     interpolated in log space, so small shapes run at the rate measured for small shapes.
-  * Attention scores (QK^T and AV): fused causal attention computes only the lower triangle, so the
+  * Attention scores (QK^T and AV), where the profile carries measured kernel times
+    (`attention_s_<precision>` rows from `scalestudy calibrate`: [batch*heads, seq, head_dim, forward s,
+    backward s]): the nearest measured shape (log distance over the three), scaled by the FLOPs ratio.
+    Otherwise: fused causal attention computes only the lower triangle, so the
     work is half of the 4*s*s*h/tp FLOPs per layer that MFU counts; it runs at gemm_efficiency *
     attention_efficiency. The fused backward recomputes QK^T: 5 matmuls against 2 in forward (2.5x).
     Unfused attention (params.fused_attention False) runs the full 4*s*s*h/tp FLOPs as batched GEMMs
@@ -19,9 +22,13 @@ Algorithm (per transformer block, after the tensor-parallel split):
   * Backward = 2x the forward GEMMs (input and weight gradients have the forward's shapes) and 2x the
     memory-bound traffic. Full activation checkpointing runs the forward once more before backward.
   * LM head (T x h x V/tp GEMM) and the fp32 cross-entropy on the logits run on the last stage, which
-    is therefore the slowest one and sets the pipeline's pace.
+    is therefore the slowest one and sets the pipeline's pace. The loss is memory-bound (three fp32
+    passes forward, twice that backward) unless the profile measured it (`cross_entropy_s_<precision>`
+    rows [tokens, vocab, forward s, backward s]: nearest row, scaled by the logits ratio).
+  * ZeRO-3 hooks: zero3_module_overhead_s per parameterised module in forward and in backward.
   * Optimizer: Adam streams every local fp32 state once per step (read master, m, v, grad; write them
-    and the 16-bit copy): ~36 bytes per parameter held, memory-bound.
+    and the 16-bit copy): ~36 bytes per parameter held, memory-bound; or the measured
+    optimizer_s_per_param. Plus step_overhead_s.
 Assumptions: no kernel fusion beyond attention; dropout off (Llama); GEMMs do not overlap each other.
 """
 
@@ -35,12 +42,18 @@ from scalestudy.perfmodel.params import ModelParams
 from scalestudy.spec.catalog import HardwareProfile, ModelDims, Precision
 from scalestudy.spec.study import TrialConfig
 
-# Framework ops per transformer block in forward besides the GEMMs (HF Llama eager decoder layer:
-# 2 RMSNorms of ~6 ops, rotary ~10, reshapes/transposes ~8, residual adds 2, SiLU and product 2).
-# Backward launches about twice as many. Only matters where per-op cost is large (CPU, tiny models).
-ELEMENTWISE_OPS_PER_LAYER = 34
+# Framework ops: every non-view aten op that HF Llama's eager code dispatches (counted with a
+# TorchDispatchMode on transformers 5, GEMMs and attention included; views launch no kernel). Each costs
+# op_overhead_s on top of its kernel time: dispatch, autograd bookkeeping, allocation and the Python
+# around it. Per transformer block in forward and in backward, and outside the blocks (embedding,
+# final norm, LM head, fp32 upcast, loss). Dominant only where per-op cost is large (CPU, tiny models).
+FORWARD_OPS_PER_LAYER, BACKWARD_OPS_PER_LAYER = 47, 84
+FORWARD_OPS_OUTSIDE, BACKWARD_OPS_OUTSIDE = 28, 26
 SCORE_PASSES = 7  # see the module doc (unfused attention)
-HEAD_OPS = 12  # final norm, LM head, fp32 upcast, log-softmax, NLL, mean
+# Parameterised modules (ZeRO-3 hook targets): q, k, v, o, gate, up, down and two RMSNorms per Llama
+# block; qkv, proj, fc, proj and two LayerNorms per GPT block; embedding, final norm and LM head.
+MODULES_PER_LAYER = {"llama": 9, "gpt": 6}
+MODULES_OUTSIDE_LAYERS = 3
 ADAM_BYTES_PER_PARAM = {Precision.fp32: 28.0, Precision.bf16: 36.0, Precision.fp16: 36.0}
 
 
@@ -75,6 +88,17 @@ def _curve_rate(curve: list[list[float]], flops: float) -> float:
     return curve[-1][1] * 1e12
 
 
+def _nearest_scaled(rows: list[list[float]], shape: tuple[float, ...], work) -> tuple[float, float]:
+    """(forward, backward) seconds of the measured row nearest `shape` (log distance), scaled by the
+    ratio of work(shape) to work(row)."""
+    def dist(r: list[float]) -> float:
+        return sum(abs(math.log(x / y)) for x, y in zip(shape, r))
+
+    row = min(rows, key=dist)
+    k = work(*shape) / work(*row[:len(shape)])
+    return row[-2] * k, row[-1] * k
+
+
 class _Device:
     """Rates of one device at one precision, resolved once per prediction."""
 
@@ -86,6 +110,8 @@ class _Device:
         self.attn = self.peak * p.attention_efficiency
         curve = hw.calibration.get(f"gemm_tflops_{precision.value}")
         self.curve = sorted(curve) if isinstance(curve, list) and curve else None
+        self.attention_rows = _rows(hw, f"attention_s_{precision.value}")
+        self.loss_rows = _rows(hw, f"cross_entropy_s_{precision.value}")
         if self.curve:
             # The measured curve already includes what efficiency factors stand for.
             best = max(c[1] for c in self.curve) * 1e12
@@ -95,10 +121,22 @@ class _Device:
         flops = 2.0 * m * k * n
         rate = _curve_rate(self.curve, flops) if self.curve else self.peak
         mem = (m * k + k * n + m * n) * self.bytes / self.hbm
-        return max(flops / rate, mem) + self.op
+        return max(flops / rate, mem)
 
-    def stream(self, elements: float, ops: int) -> float:
-        return elements * self.bytes / self.hbm + ops * self.op
+    def stream(self, elements: float) -> float:
+        return elements * self.bytes / self.hbm
+
+    def loss(self, tokens: float, vocab: float) -> tuple[float, float]:
+        """(forward, backward) of the fp32 cross-entropy over tokens x vocab logits."""
+        if self.loss_rows:
+            return _nearest_scaled(self.loss_rows, (tokens, vocab), lambda t, v: t * v)
+        fwd = self.stream(tokens * vocab * 4 * 3 / self.bytes)
+        return fwd, 2 * fwd
+
+
+def _rows(hw: HardwareProfile, key: str) -> list[list[float]] | None:
+    rows = hw.calibration.get(key)
+    return rows if isinstance(rows, list) and rows else None
 
 
 def _layer_gemms(d: _Device, dims: ModelDims, tokens: float, tp: int) -> float:
@@ -131,7 +169,7 @@ def _layer_stream(d: _Device, dims: ModelDims, tokens: float, tp: int) -> float:
     rotary = ROTARY_PASSES * (h + kv) if dims.architecture == "llama" else 0  # GPT: learned positions
     split = rotary + COPY_PASSES * (2 * h + 2 * kv) + GATE_PASSES * f
     elements = tokens * (2 * NORM_PASSES * h + 2 * RESIDUAL_PASSES * h + split / tp)
-    return d.stream(elements, ELEMENTWISE_OPS_PER_LAYER)
+    return d.stream(elements)
 
 
 def compute_times(cfg: TrialConfig, p: ModelParams) -> ComputeTimes:
@@ -142,24 +180,36 @@ def compute_times(cfg: TrialConfig, p: ModelParams) -> ComputeTimes:
 
     gemm_f = _layer_gemms(d, dims, tokens, tp)
     stream_f = _layer_stream(d, dims, tokens, tp)
-    if p.fused_attention:
+    if p.fused_attention and d.attention_rows:
+        shape = (cfg.micro_batch * dims.num_heads / tp, s, dims.head_dim)
+        attn_f, attn_b = _nearest_scaled(d.attention_rows, shape, lambda bh, q, hd: bh * q * q * hd)
+    elif p.fused_attention:
         causal_flops = 0.5 * 4.0 * tokens * s * dims.hidden_size / tp
-        attn_f = causal_flops / d.attn + 2 * d.op
+        attn_f = causal_flops / d.attn
+        attn_b = 2.5 * attn_f
     else:
         full_flops = 4.0 * tokens * s * dims.hidden_size / tp
         scores = tokens * s * dims.num_heads / tp
-        attn_f = full_flops / d.peak + d.stream(scores * SCORE_PASSES, 6)
-    head_f = d.gemm(tokens, dims.hidden_size, dims.vocab_size / tp)
-    head_f += d.stream(tokens * dims.vocab_size / tp * 4 * 3 / d.bytes, HEAD_OPS)  # fp32 loss
+        attn_f = full_flops / d.peak + d.stream(scores * SCORE_PASSES)
+        attn_b = 2.0 * attn_f
+    head_gemm = d.gemm(tokens, dims.hidden_size, dims.vocab_size / tp)
+    loss_f, loss_b = d.loss(tokens, dims.vocab_size / tp)
 
-    fwd = layers * (gemm_f + stream_f + attn_f) + head_f
-    attn_b = (2.5 if p.fused_attention else 2.0) * attn_f
-    bwd = layers * (2 * gemm_f + 2 * stream_f + attn_b) + 2 * head_f
-    recompute = layers * (gemm_f + stream_f + attn_f) if cfg.activation_checkpointing else 0.0
+    layer_f = gemm_f + stream_f + attn_f + FORWARD_OPS_PER_LAYER * d.op
+    layer_b = 2 * gemm_f + 2 * stream_f + attn_b + BACKWARD_OPS_PER_LAYER * d.op
+    fwd = layers * layer_f + head_gemm + loss_f + FORWARD_OPS_OUTSIDE * d.op
+    bwd = layers * layer_b + 2 * head_gemm + loss_b + BACKWARD_OPS_OUTSIDE * d.op
+    recompute = layers * layer_f if cfg.activation_checkpointing else 0.0
+    if cfg.zero_stage == 3 and p.zero3_module_overhead_s:
+        hooks = (layers * MODULES_PER_LAYER[dims.architecture] + MODULES_OUTSIDE_LAYERS)
+        fwd += hooks * p.zero3_module_overhead_s
+        bwd += hooks * p.zero3_module_overhead_s
 
     if min(cfg.world_size, cfg.hardware_profile.gpus_per_node) > 1 and p.shared_node_slowdown > 1:
         k = p.shared_node_slowdown  # every device of the node busy at once (see params.py)
         fwd, bwd, recompute = fwd * k, bwd * k, recompute * k
     held = params_per_device(dims, tp, cfg.pp) / (cfg.dp if cfg.zero_stage >= 1 else 1)
-    optimizer = held * ADAM_BYTES_PER_PARAM[cfg.precision] / d.hbm + p.step_overhead_s
+    per_param = (ADAM_BYTES_PER_PARAM[cfg.precision] / d.hbm if p.optimizer_s_per_param is None
+                 else p.optimizer_s_per_param)
+    optimizer = held * per_param + p.step_overhead_s
     return ComputeTimes(fwd, bwd, recompute, optimizer, layers)

@@ -43,6 +43,13 @@ class ModelParams(BaseModel):
     # Fixed cost per optimizer step outside the kernels above (engine bookkeeping, loss scaling,
     # gradient-norm reduction, data loading not hidden).
     step_overhead_s: float = Field(0.0, ge=0)
+    # Optimizer step per parameter held, when measured (calibrate: DeepSpeed's step at two model
+    # widths). None: Adam's bytes per parameter at the streaming bandwidth (compute.py).
+    optimizer_s_per_param: float | None = Field(None, ge=0)
+    # ZeRO-3's fetch/release hooks per parameterised module, in forward and again in backward: Python
+    # bookkeeping beyond the all-gathers themselves. Hidden behind asynchronous kernel launches on a
+    # GPU (0); on CPU eager it is serial work (calibrate: stage 3 against stage 0).
+    zero3_module_overhead_s: float = Field(0.0, ge=0)
     # Network ---------------------------------------------------------------------------------
     # Achievable bus bandwidth / link rate for large messages (nccl-tests busbw: DGX A100 NVLink
     # ~230 of 300 GB/s; HDR/NDR InfiniBand ~0.8-0.9 of line rate).
