@@ -133,6 +133,9 @@ def sweep(
                               help="trials at once (default: what the cluster's devices hold)")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print one TrialResult JSON per line")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", help="show Ray's and Tune's output")] = False,
+    results_root: Annotated[Path, typer.Option(
+        help="ledger root folder (on a cluster: shared storage every node and the driver see)")] = Path(
+        "results"),
 ) -> None:
     """Run every trial of a study (Ray Tune x Ray Train x DeepSpeed, or the performance model)
     into the Parquet ledger and MLflow."""
@@ -145,7 +148,8 @@ def sweep(
     except SpecError as e:
         _fail(e)
     outcome = run_sweep(study, planned, spec.read_text(), resume=resume,
-                        max_concurrent=max_concurrent, show_progress=not json_, verbose=verbose)
+                        max_concurrent=max_concurrent, results_root=results_root,
+                        show_progress=not json_, verbose=verbose)
     if json_:
         for r in outcome.results:
             sys.stdout.write(r.model_dump_json() + "\n")

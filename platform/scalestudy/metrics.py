@@ -51,6 +51,11 @@ TOKENS_PER_J_ESTIMATED = "tokens_per_j_estimated"
 LOSS_FIRST = "loss_first"
 LOSS_LAST = "loss_last"
 # Cost of the trial itself
+# Fault tolerance and elastic trials: worker-group restarts, and the wall time from each failed
+# attempt's last checkpoint to its resumed loop (lost work + detection + restart + reload).
+RESTARTS = "restarts"
+TIME_LOST_S = "time_lost_s"
+
 WALL_TIME_S = "wall_time_s"
 TIME_TO_FIRST_STEP_S = "time_to_first_step_s"
 
@@ -61,7 +66,7 @@ SCALAR_METRICS: tuple[str, ...] = (
     DEVICE_UTILIZATION_PCT, CPU_UTILIZATION_CORES, PEAK_MEMORY_GIB,
     POWER_W, ENERGY_J, ENERGY_PER_TOKEN_J, TOKENS_PER_J,
     POWER_W_ESTIMATED, ENERGY_J_ESTIMATED, ENERGY_PER_TOKEN_J_ESTIMATED, TOKENS_PER_J_ESTIMATED,
-    LOSS_FIRST, LOSS_LAST, WALL_TIME_S, TIME_TO_FIRST_STEP_S,
+    LOSS_FIRST, LOSS_LAST, WALL_TIME_S, TIME_TO_FIRST_STEP_S, RESTARTS, TIME_LOST_S,
 )
 
 
@@ -145,6 +150,10 @@ class TrialResult(BaseModel):
     loss_last: float = NAN
     wall_time_s: float = NAN
     time_to_first_step_s: float = NAN
+    restarts: int = 0
+    time_lost_s: float = 0.0
+    # Each world-size change of an elastic trial: {"from": n, "to": m, "at_step": s}.
+    resizes: list[dict[str, int]] = Field(default_factory=list)
     step_times_s: list[float] = Field(default_factory=list)
     losses: list[float] = Field(default_factory=list)
     missing: dict[str, str] = Field(default_factory=dict)  # metric -> why it is NaN

@@ -120,7 +120,7 @@ tracking: {{mlflow_uri: "http://127.0.0.1:9"}}
     assert sync_mlflow("offline", uri, results_root=root) == (0, None)  # idempotent
 
 
-def test_interrupted_sweep_resumes_without_duplicates(ray_session, tmp_path):
+def test_kill_driver_then_resume_adds_no_duplicate_runs(ray_session, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     spec_path = _spec_file(tmp_path, f"""
 name: interrupted

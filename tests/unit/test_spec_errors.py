@@ -117,3 +117,18 @@ def test_cli_validate_ok(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "8 trials (8 runnable, 0 infeasible)" in proc.stdout
+
+
+def test_elastic_trials_must_keep_the_global_batch_at_every_size():
+    from scalestudy.spec.load import validate_spec
+    from scalestudy.spec.study import elastic_grad_accum, expand
+
+    base = {"name": "el", "model": "llama2-tiny", "hardware": "cpu-local", "world_size": 4,
+            "micro_batch": 1, "global_batch": 12}
+    ok = expand(validate_spec({**base, "elastic": {"min_workers": 2, "max_workers": 4}}))[0]
+    assert ok.feasible and elastic_grad_accum(ok.config, 2) == 6 and elastic_grad_accum(ok.config, 3) == 4
+    bad = expand(validate_spec({**base, "global_batch": 8,
+                                "elastic": {"min_workers": 2, "max_workers": 4}}))[0]
+    assert not bad.feasible and "elastic world size 3" in bad.reason
+    with pytest.raises(SpecError, match="min_workers"):
+        validate_spec({**base, "elastic": {"min_workers": 3, "max_workers": 2}})

@@ -19,6 +19,7 @@ from pydantic import (
     PositiveInt,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from scalestudy.parallel.degrees import Degrees, check_model_split, derive_degrees
@@ -43,6 +44,34 @@ class Steps(BaseModel):
     warmup: int = Field(3, ge=0)
     measure: PositiveInt = 10
     profile: int = Field(3, ge=0)  # profiled window after the timed one (communication, overlap)
+
+
+class FaultTolerance(BaseModel):
+    """Ray Train restarts of a trial's worker group, resuming from its last DeepSpeed checkpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_failures: int = Field(0, ge=0)  # FailureConfig(max_failures): worker-group restarts per trial
+    # Steps between checkpoints once max_failures > 0 or the trial is elastic (each costs a
+    # checkpoint write and a ray.train.report, outside the timed steps).
+    checkpoint_every: PositiveInt = 5
+
+
+class Elastic(BaseModel):
+    """Ray Train elastic scaling: the trial runs with any world size in [min_workers, max_workers]
+    that the cluster holds, keeping the global batch by recomputing gradient accumulation."""
+
+    model_config = ConfigDict(extra="forbid")
+    min_workers: PositiveInt
+    max_workers: PositiveInt
+    # How often a running trial checks whether the cluster could hold more workers (Ray Train's
+    # elastic_resize_monitor_interval_s); growing restarts the group from the last checkpoint.
+    resize_check_s: PositiveFloat = 60.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Elastic:
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers {self.min_workers} exceeds max_workers {self.max_workers}")
+        return self
 
 
 class Search(BaseModel):
@@ -115,6 +144,8 @@ class StudySpec(BaseModel):
     seed: int = 0
     learning_rate: PositiveFloat = 1e-3
     trial_timeout_s: PositiveFloat = 3600.0
+    fault_tolerance: FaultTolerance = FaultTolerance()
+    elastic: Elastic | None = None
 
     @field_validator(
         "seq_len", "precision", "world_size", "zero_stage", "tp", "pp", "micro_batch",
@@ -211,6 +242,8 @@ class TrialConfig(BaseModel):
     seed: int
     learning_rate: float
     trial_timeout_s: float
+    fault_tolerance: FaultTolerance = FaultTolerance()
+    elastic: Elastic | None = None
     model_dims: ModelDims
     hardware_profile: HardwareProfile
 
@@ -221,7 +254,10 @@ class TrialConfig(BaseModel):
     @property
     def trial_id(self) -> str:
         """Stable hash of everything that defines the trial (not the study name or backend)."""
-        payload = self.model_dump(mode="json", exclude={"study"})
+        # How a trial survives faults does not change what it measures; elastic bounds do.
+        payload = self.model_dump(mode="json", exclude={"study", "fault_tolerance"})
+        if self.elastic is None:
+            payload.pop("elastic")
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha1(blob).hexdigest()[:12]
 
@@ -231,7 +267,8 @@ class TrialConfig(BaseModel):
 
     def config_fields(self) -> dict[str, Any]:
         """Flat, scalar config columns (what the ledger, MLflow params and tables show)."""
-        d = self.model_dump(mode="json", exclude={"model_dims", "hardware_profile", "steps"})
+        d = self.model_dump(mode="json", exclude={"model_dims", "hardware_profile", "steps",
+                                                  "fault_tolerance", "elastic"})
         d["trial_id"] = self.trial_id
         d.update({f"steps_{k}": v for k, v in self.steps.model_dump().items()})
         return d
@@ -322,6 +359,29 @@ def check_trial(spec: StudySpec, point: dict[str, Any], deg: Degrees) -> None:
         )
     if spec.backend is Backend.measure and deg.pp > 1:
         raise InfeasibleTrial("pp > 1 is not supported by the measure backend (use simulate)")
+    if spec.elastic is not None:
+        check_elastic(spec.elastic, deg)
+
+
+def elastic_grad_accum(deg_or_cfg: Any, world_size: int) -> int:
+    """Gradient accumulation that keeps the global batch at `world_size` workers."""
+    dp = world_size // (deg_or_cfg.tp * deg_or_cfg.pp)
+    return deg_or_cfg.global_batch // (deg_or_cfg.micro_batch * dp)
+
+
+def check_elastic(el: Elastic, deg: Degrees) -> None:
+    """Every world size the trial may run at must keep the global batch exactly."""
+    if not el.min_workers <= deg.world_size <= el.max_workers:
+        raise InfeasibleTrial(f"world_size {deg.world_size} outside elastic "
+                              f"[{el.min_workers}, {el.max_workers}]")
+    for w in range(el.min_workers, el.max_workers + 1):
+        group = deg.tp * deg.pp
+        dp = w // group
+        if w % group or deg.global_batch % (deg.micro_batch * dp):
+            raise InfeasibleTrial(
+                f"elastic world size {w} cannot keep global_batch {deg.global_batch} "
+                f"(micro_batch {deg.micro_batch} x dp {w / group:g} must divide it); narrow "
+                "elastic.min_workers/max_workers or choose a global_batch every size divides")
 
 
 def _trial_config(spec: StudySpec, point: dict[str, Any], deg: Degrees) -> TrialConfig:
@@ -348,6 +408,8 @@ def _trial_config(spec: StudySpec, point: dict[str, Any], deg: Degrees) -> Trial
         seed=spec.seed,
         learning_rate=spec.learning_rate,
         trial_timeout_s=spec.trial_timeout_s,
+        fault_tolerance=spec.fault_tolerance,
+        elastic=spec.elastic,
         model_dims=model.dims,
         hardware_profile=hw,
     )

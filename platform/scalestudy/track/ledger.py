@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from scalestudy.metrics import CollectiveStats, TrialResult
 
 LEDGER_FILE = "trials.parquet"
-JSON_COLUMNS = ("missing", "extra")
+JSON_COLUMNS = ("missing", "extra", "resizes")
 COMM_PREFIX = "comm/"
 
 

@@ -75,15 +75,18 @@ def run_trial(
         train_loop_config={"trial": cfg.model_dump(mode="json"), "fault": fault,
                            "instrument": instrument},
         scaling_config=ScalingConfig(
-            num_workers=cfg.world_size,
+            num_workers=((cfg.elastic.min_workers, cfg.elastic.max_workers) if cfg.elastic
+                         else cfg.world_size),
             use_gpu=gpu,
             resources_per_worker={"GPU": 1, "CPU": 8} if gpu else {"CPU": 1},
+            **({"elastic_resize_monitor_interval_s": cfg.elastic.resize_check_s}
+               if cfg.elastic else {}),
         ),
         torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
         run_config=RunConfig(
             name=f"{cfg.study}-{cfg.run_name}-{cfg.trial_id}-{uuid.uuid4().hex[:6]}",
             storage_path=str(Path(storage_path).resolve()),
-            failure_config=FailureConfig(max_failures=0),
+            failure_config=FailureConfig(max_failures=cfg.fault_tolerance.max_failures),
             callbacks=callbacks or [],
         ),
     )
@@ -101,7 +104,10 @@ def run_trial(
 def summarize(cfg: TrialConfig, summary: dict, t0: float) -> TrialResult:
     step_times = summary["step_times_s"]
     losses = summary["losses"]
-    fields = throughput_metrics(cfg, step_times)
+    world = summary.get("world_size", cfg.world_size)
+    ran = cfg if world == cfg.world_size else cfg.model_copy(update={  # an elastic trial's real size
+        "world_size": world, "dp": world // (cfg.tp * cfg.pp), "grad_accum": summary["grad_accum"]})
+    fields = throughput_metrics(ran, step_times)
     first = summary.get("first_measured_step_wall")
     missing: dict[str, str] = {}
     reading = EnergyReading(summary["energy_j"], 0.0, {}, summary["energy_source"],
@@ -138,8 +144,12 @@ def summarize(cfg: TrialConfig, summary: dict, t0: float) -> TrialResult:
         losses=losses,
         wall_time_s=time.time() - t0,
         time_to_first_step_s=(first - t0) if first else M.NAN,
+        restarts=summary.get("restarts", 0),
+        resizes=summary.get("resizes", []),
+        time_lost_s=summary.get("time_lost_s", 0.0),
         extra={"deepspeed_config": summary["deepspeed_config"],
                "comm_logger": summary.get("comm_logger", {}),
                "comm_trace_device": summary.get("comm_trace_device"),
-               "shard_shapes": summary.get("shard_shapes")},
+               "shard_shapes": summary.get("shard_shapes"),
+               "final_world_size": world, "final_grad_accum": summary.get("grad_accum")},
     )

@@ -79,7 +79,7 @@ def _fault_step(spec: str | None, run_name: str) -> int | None:
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    from scalestudy.spec.study import TrialConfig
+    from scalestudy.spec.study import TrialConfig, elastic_grad_accum
 
     cfg = TrialConfig.model_validate(config["trial"])
     if cfg.hardware_profile.kind == "cpu":
@@ -90,13 +90,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from scalestudy.measure.energy import NoMeter, make_meter, reduce_energy_across_ranks
+    from scalestudy.measure.energy import (EnergyReading, NoMeter, make_meter,
+                                          reduce_energy_across_ranks)
     from scalestudy.measure.memory import peak_memory_gib, reset_peak
     from scalestudy.measure.profiled_window import reduce_across_ranks, run_profiled_window
     from scalestudy.measure.utilization import make_utilization
     from scalestudy.parallel.deepspeed_config import deepspeed_config
     from scalestudy.parallel.grid import ProcessGrid
     from scalestudy.train.data import global_batch, micro_batch_slice
+    from scalestudy.train import resume
     from scalestudy.train.model_factory import build_model
 
     backend = "nccl" if cfg.hardware_profile.kind == "gpu" else "gloo"
@@ -109,12 +111,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # one core per worker: the cpu-local "device"
 
-    ds_config = deepspeed_config(cfg)
+    # An elastic trial runs at whatever size Ray Train gave it, at the same global batch.
+    world = dist.get_world_size()
+    dp = world // (cfg.tp * cfg.pp)
+    grad_accum = elastic_grad_accum(cfg, world) if cfg.elastic else cfg.grad_accum
+    ds_config = deepspeed_config(cfg.model_copy(update={"grad_accum": grad_accum}))
     model = build_model(cfg.model_dims, cfg.seed, cfg.activation_checkpointing)
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config
     )
-    grid = ProcessGrid(cfg.world_size, cfg.tp, cfg.pp)
+    grid = ProcessGrid(world, cfg.tp, cfg.pp)
     dp_rank = grid.coords(rank)[0]
     if cfg.tp > 1:
         _check_tp_group(grid, rank)
@@ -122,13 +128,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     def one_step(step: int) -> torch.Tensor:
         batch = global_batch(step, cfg.global_batch, cfg.seq_len, cfg.model_dims.vocab_size, cfg.seed)
         total = torch.zeros((), device=device)
-        for k in range(cfg.grad_accum):
-            ids = micro_batch_slice(batch, k, dp_rank, cfg.dp, cfg.micro_batch).to(device)
+        for k in range(grad_accum):
+            ids = micro_batch_slice(batch, k, dp_rank, dp, cfg.micro_batch).to(device)
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()
-        return total / cfg.grad_accum
+        return total / grad_accum
 
     fault_step = _fault_step(config.get("fault"), cfg.run_name) if rank == 0 else None
     instrument = config.get("instrument", True)
@@ -138,27 +144,36 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     util = make_utilization(cfg.hardware_profile.kind)
 
     n_steps = cfg.steps.warmup + cfg.steps.measure
-    losses = []
-    step_times = []
-    first_measured_wall = None
-    for step in range(n_steps):
-        if step == cfg.steps.warmup:
+    checkpoints = resume.wants_checkpoints(cfg)
+    state = resume.restore(engine, world) if checkpoints else resume.LoopState(world_size=world)
+    start = state.next_step
+    losses: list = list(state.losses)  # restored floats, then this attempt's device tensors
+    for step in range(start, n_steps):
+        if checkpoints and step > start and step % cfg.fault_tolerance.checkpoint_every == 0:
+            state.next_step, state.losses = step, [float(x) for x in losses]
+            resume.save(engine, state, rank)
+        if step == max(cfg.steps.warmup, start):
             reset_peak()
-            first_measured_wall = time.time()
+            if state.first_measured_wall is None:
+                state.first_measured_wall = time.time()
             # Counters are read once at each end of the window: nothing runs inside it.
             meter.start()
             util.start()
-        if step == fault_step:
+        if step == fault_step and state.restarts == 0:
             raise RuntimeError(f"injected fault at step {step} ({cfg.run_name})")
         _sync(device)
         t = time.perf_counter()
         losses.append(one_step(step))
         _sync(device)
         if step >= cfg.steps.warmup:
-            step_times.append(time.perf_counter() - t)
+            state.step_times_s.append(time.perf_counter() - t)
+    step_times = state.step_times_s
 
     _sync(device)
     energy = reduce_energy_across_ranks(meter.stop(), local_rank, device)
+    if state.restarts and energy.source != "none":
+        energy = EnergyReading(float("nan"), 0.0, source="none",
+                               reason="trial restarted mid-window: the meter saw only part of it")
     util_pct = _mean_over_ranks(_mean(util.stop().values()), device)
 
     # The profiled window comes after the timed one, so profiling never perturbs throughput.
@@ -171,7 +186,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # One reduction after the loop: the slowest rank sets each step's time, losses average.
     times = torch.tensor(step_times, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    loss_t = torch.stack(losses).to(torch.float64)
+    loss_t = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in losses]).to(device)
     dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
     loss_t /= dist.get_world_size()
     peak, source = peak_memory_gib()
@@ -183,7 +198,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         "losses": loss_t.cpu().tolist(),
         "peak_memory_gib": float(peak_t.item()),
         "memory_source": source,
-        "first_measured_step_wall": first_measured_wall,
+        "first_measured_step_wall": state.first_measured_wall,
+        "world_size": world,
+        "grad_accum": grad_accum,
+        "restarts": state.restarts,
+        "resizes": state.resizes,
+        "time_lost_s": state.time_lost_s,
         "shard_shapes": _gather_shard_shapes(engine.module),
         "deepspeed_config": ds_config,
         "energy_j": energy.energy_j,

@@ -1,0 +1,112 @@
+"""Cluster workflows against Ray heads these tests start themselves: the `ray job submit` round trip,
+and a sweep on a fake autoscaling cluster (Ray's fake multi-node provider) that must add nodes."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import mlflow
+import pytest
+
+from scalestudy.track.ledger import Ledger
+from tests.conftest import REPO
+from tests.integration.local_cluster import BIN, alive_nodes, leftover_processes, local_head
+
+pytestmark = pytest.mark.slow
+
+STUDY = """
+name: {name}
+model: llama2-tiny
+hardware: cpu-local
+world_size: {world_size}
+zero_stage: [0, 1]
+steps: {{warmup: 1, measure: 3, profile: 0}}
+tracking: {{mlflow_uri: "sqlite:///{db}"}}
+"""
+
+
+def _check_results(root, name: str, db, n: int) -> None:
+    rows = Ledger(root / name / "trials.parquet").rows()
+    assert sorted(r["zero_stage"] for r in rows) == list(range(n))
+    assert all(r["status"] == "completed" for r in rows), [r["reason"] for r in rows]
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{db}")
+    exp = client.get_experiment_by_name(name)
+    runs = client.search_runs([exp.experiment_id])
+    trials = [r for r in runs if r.data.tags.get("scalestudy.role") == "trial"]
+    assert sorted(r.data.tags["trial_id"] for r in trials) == sorted(r["trial_id"] for r in rows)
+
+
+def test_job_submit_sweep_round_trip(tmp_path):
+    spec = tmp_path / "jobstudy.yaml"
+    db = tmp_path / "mlflow.db"
+    spec.write_text(STUDY.format(name="jobstudy", world_size=1, db=db))
+    results = tmp_path / "results"
+    t0 = time.time()
+    with local_head(num_cpus=2, dashboard=True) as head:
+        for _ in range(60):  # the job agent comes up a few seconds after the head
+            submit = subprocess.run(
+                [str(BIN / "ray"), "job", "submit", "--address", head.dashboard_url,
+                 "--runtime-env", "cluster/runtime_env.yaml", "--working-dir", ".",
+                 "--submission-id", "scalestudy-test-job", "--",
+                 "scalestudy", "sweep", str(spec), "--results-root", str(results),
+                 "--max-concurrent", "1"],
+                cwd=REPO, env=head.env, capture_output=True, text=True, timeout=600)
+            if "No available agent" not in submit.stdout + submit.stderr:
+                break
+            time.sleep(1)
+        assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
+        status = subprocess.run(
+            [str(BIN / "ray"), "job", "status", "--address", head.dashboard_url,
+             "scalestudy-test-job"], env=head.env, capture_output=True, text=True, timeout=60)
+        text = re.sub(r"\x1b\[[0-9;]*m", "", status.stdout + status.stderr)
+        assert re.search(r"scalestudy-test-job'? (succeeded|SUCCEEDED)", text), text
+    wall = time.time() - t0
+    assert leftover_processes(head) == []
+    _check_results(results, "jobstudy", db, 2)
+    print(f"\nray job submit round trip (head start, 2 trials, head stop): {wall:.1f} s")
+
+
+def _fake_autoscaling_config(max_workers: int) -> dict:
+    """ray.cluster_utils.AutoscalingCluster's config: CPU-only fake nodes standing in for GPU nodes."""
+    from ray.cluster_utils import AutoscalingCluster
+
+    worker_types = {"fake-gpu-node": {"resources": {"CPU": 2}, "node_config": {},
+                                      "min_workers": 0, "max_workers": max_workers}}
+    return AutoscalingCluster(head_resources={"CPU": 0}, worker_node_types=worker_types,
+                              idle_timeout_minutes=10)._config
+
+
+def test_autoscaling_sweep_adds_nodes(tmp_path):
+    """The head holds no CPU for trials, so each 2-worker trial needs a node the autoscaler adds."""
+    spec = tmp_path / "autoscale.yaml"
+    db = tmp_path / "mlflow.db"
+    spec.write_text(STUDY.format(name="autoscale", world_size=2, db=db))
+    results = tmp_path / "results"
+    with local_head(num_cpus=0, autoscaling=_fake_autoscaling_config(max_workers=1)) as head:
+        assert alive_nodes(head) == 1
+        t0 = time.time()
+        sweep = subprocess.Popen(
+            [str(BIN / "scalestudy"), "sweep", str(spec), "--results-root", str(results),
+             "--max-concurrent", "1"], env=head.env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        try:
+            node_added_s = None
+            while sweep.poll() is None:
+                if node_added_s is None and alive_nodes(head) > 1:
+                    node_added_s = time.time() - t0
+                time.sleep(1)
+            out = sweep.stdout.read()
+        finally:
+            if sweep.poll() is None:
+                sweep.kill()
+                sweep.wait()
+        assert sweep.returncode == 0, out[-3000:]
+        assert node_added_s is not None, "the autoscaler never added a node"
+    assert leftover_processes(head) == []
+    _check_results(results, "autoscale", db, 2)
+    print(f"\nfake autoscaler: node added {node_added_s:.1f} s after the sweep started; "
+          f"sweep {json.dumps(out.splitlines()[-1])}")
