@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast bench figures clean
+.PHONY: venv demo test test-quick test-fast bench figures clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests -q
+
+# Everything but the tests marked slow (cluster round trips, fault injection, the measured-CPU check):
+# the same as `make test` with one flag.
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest tests -q -m "not slow"
 
 # Unit and validation tests only (seconds): no Ray, no DeepSpeed.
 test-fast: $(STAMP)

@@ -34,18 +34,24 @@ class Head:
 
 
 def _alive_nodes(gcs: str, env: dict[str, str]) -> int:
-    code = ("import ray; ray.init(address=%r, logging_level='ERROR'); "
-            "print(sum(n['Alive'] for n in ray.nodes()))" % gcs)
+    code = ("import ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
+            "print('ALIVE', sum(n['Alive'] for n in ray.nodes()))" % gcs)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60)
-    return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
+    alive = [ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith("ALIVE ")]
+    return int(alive[-1]) if out.returncode == 0 and alive else 0
 
 
 @contextlib.contextmanager
 def local_head(num_cpus: int, dashboard: bool = False, autoscaling: dict | None = None):
     """Yield a running Head; everything it started is killed on exit, also when the test fails."""
+    from ray._private.services import get_node_ip_address
+
     temp_dir = Path(tempfile.mkdtemp(prefix="rh", dir="/tmp"))  # short: Ray's socket paths are capped
     port, dash = free_port(), free_port()
+    # Ray advertises the machine's own address even when told 127.0.0.1 (and then refuses drivers
+    # that dial 127.0.0.1), so the head takes that address; the dashboard stays on loopback.
+    gcs = f"{get_node_ip_address()}:{port}"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     # A throwaway cluster reachable only from this machine: token auth would make every client find
@@ -58,17 +64,12 @@ def local_head(num_cpus: int, dashboard: bool = False, autoscaling: dict | None 
     if autoscaling is not None:
         # What ray.cluster_utils.AutoscalingCluster does, minus its global `ray stop --force`.
         config = temp_dir / "autoscaling.json"
-        config.write_text(json.dumps(autoscaling))
+        config.write_text(json.dumps(fake_autoscaling_config(autoscaling, num_cpus, gcs)))
         cmd.append(f"--autoscaling-config={config}")
         env.update({"AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_FAKE_CLUSTER": "1"})
     log = open(temp_dir / "ray-start.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    # Ray advertises the machine's own address even when told 127.0.0.1 (and then refuses drivers
-    # that dial 127.0.0.1), so the head takes that address; the dashboard stays on loopback.
-    from ray._private.services import get_node_ip_address
-
-    gcs = f"{get_node_ip_address()}:{port}"
     try:
         deadline = time.time() + 120
         while _alive_nodes(gcs, env) < 1:
@@ -79,6 +80,27 @@ def local_head(num_cpus: int, dashboard: bool = False, autoscaling: dict | None 
     finally:
         _kill_group(proc)
         log.close()
+
+
+def fake_autoscaling_config(worker_types: dict, head_cpus: int, gcs: str) -> dict:
+    """Ray's fake multi-node provider: worker 'nodes' are extra raylets on this machine."""
+    return {
+        "cluster_name": "scalestudy-fake", "max_workers": sum(
+            t["max_workers"] for t in worker_types.values()),
+        "idle_timeout_minutes": 10, "upscaling_speed": 1.0,
+        "provider": {"type": "fake_multinode", "gcs_address": gcs,
+                     "disable_launch_config_check": True, "disable_node_updaters": True},
+        "auth": {"ssh_user": "ubuntu"},
+        "available_node_types": {
+            "ray.head.default": {"resources": {"CPU": head_cpus}, "node_config": {},
+                                 "max_workers": 0},
+            **worker_types},
+        "head_node_type": "ray.head.default",
+        "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
+        "rsync_exclude": [], "rsync_filter": [], "initialization_commands": [],
+        "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [],
+        "head_start_ray_commands": [], "worker_start_ray_commands": [],
+    }
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -70,14 +70,9 @@ def test_job_submit_sweep_round_trip(tmp_path):
     print(f"\nray job submit round trip (head start, 2 trials, head stop): {wall:.1f} s")
 
 
-def _fake_autoscaling_config(max_workers: int) -> dict:
-    """ray.cluster_utils.AutoscalingCluster's config: CPU-only fake nodes standing in for GPU nodes."""
-    from ray.cluster_utils import AutoscalingCluster
-
-    worker_types = {"fake-gpu-node": {"resources": {"CPU": 2}, "node_config": {},
-                                      "min_workers": 0, "max_workers": max_workers}}
-    return AutoscalingCluster(head_resources={"CPU": 0}, worker_node_types=worker_types,
-                              idle_timeout_minutes=10)._config
+# CPU-only fake nodes standing in for GPU nodes (two "devices" each).
+FAKE_NODE_TYPES = {"fake-gpu-node": {"resources": {"CPU": 2}, "node_config": {},
+                                     "min_workers": 0, "max_workers": 1}}
 
 
 def test_autoscaling_sweep_adds_nodes(tmp_path):
@@ -86,7 +81,7 @@ def test_autoscaling_sweep_adds_nodes(tmp_path):
     db = tmp_path / "mlflow.db"
     spec.write_text(STUDY.format(name="autoscale", world_size=2, db=db))
     results = tmp_path / "results"
-    with local_head(num_cpus=0, autoscaling=_fake_autoscaling_config(max_workers=1)) as head:
+    with local_head(num_cpus=0, autoscaling=FAKE_NODE_TYPES) as head:
         assert alive_nodes(head) == 1
         t0 = time.time()
         sweep = subprocess.Popen(

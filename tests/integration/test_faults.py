@@ -65,15 +65,20 @@ name: killworker
 model: llama2-tiny
 hardware: cpu-local
 world_size: 2
-steps: {{warmup: 2, measure: 10, profile: 0}}
+steps: {{warmup: 2, measure: 40, profile: 0}}
 fault_tolerance: {{max_failures: 2, checkpoint_every: 4}}
 tracking: {{mlflow_uri: "{uri}"}}
 """)
     root = tmp_path / "results"
+    before = set(_train_worker_pids())  # idle workers of earlier tests are not this trial's
     thread, box = _sweep_in_thread(spec_path, root)
-    # The first checkpoint is taken before step 4, inside the timed window (steps 2..11).
-    _wait_for(lambda: list(root.rglob("loop_state.json")), 300, "the first checkpoint")
-    victims = _wait_for(_train_worker_pids, 30, "the trial's worker processes")
+    # Checkpoints come before steps 4, 8, ... of the timed window (steps 2..41), a report each. A rank
+    # writes the second only after its report of the first returned, so once two are on storage
+    # the first is registered with Ray Train and a restart can resume from it.
+    _wait_for(lambda: len(list(root.rglob("loop_state.json"))) >= 2, 300, "two checkpoints")
+    time.sleep(1)
+    victims = _wait_for(lambda: sorted(set(_train_worker_pids()) - before), 30,
+                        "the trial's worker processes")
     killed_at = time.time()
     os.kill(victims[-1], signal.SIGKILL)
     thread.join(timeout=400)
@@ -83,7 +88,7 @@ tracking: {{mlflow_uri: "{uri}"}}
     (result,) = box["outcome"].results
     assert result.status is Status.completed, result.reason
     assert result.restarts == 1 and result.resizes == []
-    assert len(result.step_times_s) == 10  # the resumed attempt finished the window, no more
+    assert len(result.step_times_s) == 40  # the resumed attempt finished the window, no more
     assert 0 < result.time_lost_s < recovered_s + 60
     rows = Ledger(root / "killworker" / "trials.parquet").rows()
     assert len(rows) == 1 and rows[0]["restarts"] == 1

@@ -186,7 +186,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # One reduction after the loop: the slowest rank sets each step's time, losses average.
     times = torch.tensor(step_times, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    loss_t = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in losses]).to(device)
+    loss_t = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device) for x in losses])
     dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
     loss_t /= dist.get_world_size()
     peak, source = peak_memory_gib()
