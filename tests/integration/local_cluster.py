@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -80,6 +81,7 @@ def local_head(num_cpus: int, dashboard: bool = False, autoscaling: dict | None 
     finally:
         _kill_group(proc)
         log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def fake_autoscaling_config(worker_types: dict, head_cpus: int, gcs: str) -> dict:

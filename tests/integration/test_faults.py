@@ -94,3 +94,4 @@ tracking: {{mlflow_uri: "{uri}"}}
     assert len(rows) == 1 and rows[0]["restarts"] == 1
     print(f"\nkilled worker pid {victims[-1]}: time lost {result.time_lost_s:.1f} s "
           f"(last checkpoint -> resumed loop), kill -> trial done {recovered_s:.1f} s")
+
