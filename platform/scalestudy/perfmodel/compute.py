@@ -3,8 +3,7 @@
 Algorithm (per transformer block, after the tensor-parallel split):
   * GEMMs: the block's matmuls with their real shapes, M = micro_batch * seq_len tokens, N or K
     divided by tp (Megatron column/row split). Each takes the larger of its compute time at
-    peak * gemm_efficiency and its memory time (operands and result through HBM: the roofline), plus
-    a fixed per-op cost. A profile with a measured GEMM curve (`gemm_tflops_<precision>`: pairs of
+    peak * gemm_efficiency and its memory time (operands and result through HBM: the roofline). A profile with a measured GEMM curve (`gemm_tflops_<precision>`: pairs of
     [FLOPs of one GEMM, TFLOP/s], from `scalestudy calibrate`) replaces the compute term by the curve,
     interpolated in log space, so small shapes run at the rate measured for small shapes.
   * Attention scores (QK^T and AV), where the profile carries measured kernel times
@@ -25,6 +24,8 @@ Algorithm (per transformer block, after the tensor-parallel split):
     is therefore the slowest one and sets the pipeline's pace. The loss is memory-bound (three fp32
     passes forward, twice that backward) unless the profile measured it (`cross_entropy_s_<precision>`
     rows [tokens, vocab, forward s, backward s]: nearest row, scaled by the logits ratio).
+  * Framework cost: op_overhead_s per dispatched op, with the op counts below (GEMMs, attention and
+    loss included), on top of the kernel times above.
   * ZeRO-3 hooks: zero3_module_overhead_s per parameterised module in forward and in backward.
   * Optimizer: Adam streams every local fp32 state once per step (read master, m, v, grad; write them
     and the 16-bit copy): ~36 bytes per parameter held, memory-bound; or the measured
