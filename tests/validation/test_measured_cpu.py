@@ -30,7 +30,7 @@ def calibrated_cpu(ray_session):
     return calibrate(catalog.get_hardware("cpu-local"), quick=True, precisions=["bf16"])
 
 
-@pytest.mark.xfail(reason="known gap, see the module doc: MAPE ~70% on 2026-12-03", strict=False)
+@pytest.mark.xfail(reason="known gap, see the module doc: MAPE 59-70% on 2026-12-03", strict=False)
 def test_calibrated_cpu_prediction_mape(quickstart_results, calibrated_cpu):
     configs = {p.config.trial_id: p.config for p in plan(load_spec(QUICKSTART))}
     errors = []
