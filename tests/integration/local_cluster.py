@@ -44,7 +44,8 @@ def _alive_nodes(gcs: str, env: dict[str, str]) -> int:
 
 
 @contextlib.contextmanager
-def local_head(num_cpus: int, dashboard: bool = False, autoscaling: dict | None = None):
+def local_head(num_cpus: int, dashboard: bool = False, autoscaling: dict | None = None,
+               autoscaler_interval_s: float = 1):
     """Yield a running Head; everything it started is killed on exit, also when the test fails."""
     from ray._private.services import get_node_ip_address
 
@@ -67,7 +68,8 @@ def local_head(num_cpus: int, dashboard: bool = False, autoscaling: dict | None 
         config = temp_dir / "autoscaling.json"
         config.write_text(json.dumps(fake_autoscaling_config(autoscaling, num_cpus, gcs)))
         cmd.append(f"--autoscaling-config={config}")
-        env.update({"AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_FAKE_CLUSTER": "1"})
+        env.update({"AUTOSCALER_UPDATE_INTERVAL_S": str(autoscaler_interval_s),
+                    "RAY_FAKE_CLUSTER": "1"})
     log = open(temp_dir / "ray-start.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -105,3 +105,41 @@ def test_autoscaling_sweep_adds_nodes(tmp_path):
     _check_results(results, "autoscale", db, 2)
     print(f"\nfake autoscaler: node added {node_added_s:.1f} s after the sweep started; "
           f"sweep {json.dumps(out.splitlines()[-1])}")
+
+
+def test_autoscaling_elastic_trial_grows_onto_a_new_node(tmp_path):
+    """Elastic [1, 2] on a 1-CPU head: Ray Train starts the trial with the one worker that fits and
+    asks the autoscaler for room for two; when the fake node arrives (the autoscaler acts every 30 s
+    here, so the trial is running by then) the group grows to two workers, resuming from its
+    checkpoint at the same global batch."""
+    spec = tmp_path / "elastic.yaml"
+    db = tmp_path / "mlflow.db"
+    spec.write_text(f"""
+name: elastic
+model: llama2-tiny
+hardware: cpu-local
+world_size: 2
+micro_batch: 1
+global_batch: 2
+elastic: {{min_workers: 1, max_workers: 2, resize_check_s: 1}}
+steps: {{warmup: 2, measure: 1000, profile: 0}}
+fault_tolerance: {{checkpoint_every: 10}}
+tracking: {{mlflow_uri: "sqlite:///{db}"}}
+""")
+    results = tmp_path / "results"
+    one_cpu_nodes = {"fake-gpu-node": {"resources": {"CPU": 1}, "node_config": {},
+                                       "min_workers": 0, "max_workers": 1}}
+    with local_head(num_cpus=1, autoscaling=one_cpu_nodes, autoscaler_interval_s=30) as head:
+        done = subprocess.run(
+            [str(BIN / "scalestudy"), "sweep", str(spec), "--results-root", str(results),
+             "--max-concurrent", "1"], env=head.env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        nodes = alive_nodes(head)
+    assert leftover_processes(head) == []
+    (row,) = Ledger(results / "elastic" / "trials.parquet").rows()
+    assert row["status"] == "completed", row["reason"]
+    resizes = json.loads(row["resizes"])
+    assert nodes == 2 and [(r["from"], r["to"]) for r in resizes] == [(1, 2)], (nodes, resizes)
+    assert len(row["step_times_s"]) == 1000
+    assert json.loads(row["extra"])["final_grad_accum"] == 1
+    print(f"\nelastic trial grew {resizes}, time lost {row['time_lost_s']:.1f} s")
