@@ -151,7 +151,7 @@ class TrialResult(BaseModel):
     wall_time_s: float = NAN
     time_to_first_step_s: float = NAN
     restarts: int = 0
-    time_lost_s: float = 0.0
+    time_lost_s: float = NAN  # measured trials only (0 when nothing was lost)
     # Each world-size change of an elastic trial: {"from": n, "to": m, "at_step": s}.
     resizes: list[dict[str, int]] = Field(default_factory=list)
     step_times_s: list[float] = Field(default_factory=list)

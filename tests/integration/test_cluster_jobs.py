@@ -107,6 +107,9 @@ def test_autoscaling_sweep_adds_nodes(tmp_path):
           f"sweep {json.dumps(out.splitlines()[-1])}")
 
 
+@pytest.mark.xfail(strict=False, reason=(
+    "races the autoscaler: if the trial's worker group starts after the fake node is up (seen once, "
+    "67 s to the first step) it starts at two workers and no resize happens; passed 2 of 3 runs"))
 def test_autoscaling_elastic_trial_grows_onto_a_new_node(tmp_path):
     """Elastic [1, 2] on a 1-CPU head: Ray Train starts the trial with the one worker that fits and
     asks the autoscaler for room for two; when the fake node arrives (the autoscaler acts every 30 s

@@ -121,12 +121,14 @@ def test_cli_validate_ok(tmp_path):
 
 def test_elastic_trials_must_keep_the_global_batch_at_every_size():
     from scalestudy.spec.load import validate_spec
-    from scalestudy.spec.study import elastic_grad_accum, expand
+    from scalestudy.parallel.degrees import derive_degrees
+    from scalestudy.spec.study import expand
 
     base = {"name": "el", "model": "llama2-tiny", "hardware": "cpu-local", "world_size": 4,
             "micro_batch": 1, "global_batch": 12}
     ok = expand(validate_spec({**base, "elastic": {"min_workers": 2, "max_workers": 4}}))[0]
-    assert ok.feasible and elastic_grad_accum(ok.config, 2) == 6 and elastic_grad_accum(ok.config, 3) == 4
+    accum = {w: derive_degrees(w, 1, 1, 1, ok.config.global_batch).grad_accum for w in (2, 3)}
+    assert ok.feasible and accum == {2: 6, 3: 4}
     bad = expand(validate_spec({**base, "global_batch": 8,
                                 "elastic": {"min_workers": 2, "max_workers": 4}}))[0]
     assert not bad.feasible and "elastic world size 3" in bad.reason

@@ -3,15 +3,16 @@
 Algorithm (per transformer block, after the tensor-parallel split):
   * GEMMs: the block's matmuls with their real shapes, M = micro_batch * seq_len tokens, N or K
     divided by tp (Megatron column/row split). Each takes the larger of its compute time at
-    peak * gemm_efficiency and its memory time (operands and result through HBM: the roofline). A profile with a measured GEMM curve (`gemm_tflops_<precision>`: pairs of
-    [FLOPs of one GEMM, TFLOP/s], from `scalestudy calibrate`) replaces the compute term by the curve,
-    interpolated in log space, so small shapes run at the rate measured for small shapes.
+    peak * gemm_efficiency and its memory time (operands and result through HBM: the roofline). A
+    profile with a measured GEMM curve (`gemm_tflops_<precision>`: pairs of [FLOPs of one GEMM,
+    TFLOP/s], from `scalestudy calibrate`) replaces the compute term by the curve, interpolated in
+    log space, so small shapes run at the rate measured for small shapes.
   * Attention scores (QK^T and AV), where the profile carries measured kernel times
     (`attention_s_<precision>` rows from `scalestudy calibrate`: [batch*heads, seq, head_dim, forward s,
     backward s]): the nearest measured shape (log distance over the three), scaled by the FLOPs ratio.
-    Otherwise: fused causal attention computes only the lower triangle, so the
-    work is half of the 4*s*s*h/tp FLOPs per layer that MFU counts; it runs at gemm_efficiency *
-    attention_efficiency. The fused backward recomputes QK^T: 5 matmuls against 2 in forward (2.5x).
+    Otherwise: fused causal attention computes only the lower triangle, so the work is half of the
+    4*s*s*h/tp FLOPs per layer that MFU counts; it runs at gemm_efficiency * attention_efficiency.
+    The fused backward recomputes QK^T: 5 matmuls against 2 in forward (2.5x).
     Unfused attention (params.fused_attention False) runs the full 4*s*s*h/tp FLOPs as batched GEMMs
     and moves the b*a*s*s/tp score tensor through HBM: SCORE_PASSES in forward (GEMM output, softmax
     read+write, dropout read+write+mask, read by the AV GEMM), twice that in backward.

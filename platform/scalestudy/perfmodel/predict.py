@@ -29,6 +29,7 @@ _NOT_MODELLED = {
     M.ENERGY_PER_TOKEN_J: "simulated trial: see energy_per_token_j_estimated",
     M.TOKENS_PER_J: "simulated trial: see tokens_per_j_estimated",
     M.WALL_TIME_S: "simulated trial",
+    M.TIME_LOST_S: "simulated trial: no faults",
     M.TIME_TO_FIRST_STEP_S: "simulated trial",
     M.STEP_TIME_P90_S: "the model predicts one step time, no distribution",
 }

@@ -363,25 +363,19 @@ def check_trial(spec: StudySpec, point: dict[str, Any], deg: Degrees) -> None:
         check_elastic(spec.elastic, deg)
 
 
-def elastic_grad_accum(deg_or_cfg: Any, world_size: int) -> int:
-    """Gradient accumulation that keeps the global batch at `world_size` workers."""
-    dp = world_size // (deg_or_cfg.tp * deg_or_cfg.pp)
-    return deg_or_cfg.global_batch // (deg_or_cfg.micro_batch * dp)
-
-
 def check_elastic(el: Elastic, deg: Degrees) -> None:
     """Every world size the trial may run at must keep the global batch exactly."""
     if not el.min_workers <= deg.world_size <= el.max_workers:
         raise InfeasibleTrial(f"world_size {deg.world_size} outside elastic "
                               f"[{el.min_workers}, {el.max_workers}]")
     for w in range(el.min_workers, el.max_workers + 1):
-        group = deg.tp * deg.pp
-        dp = w // group
-        if w % group or deg.global_batch % (deg.micro_batch * dp):
+        try:
+            derive_degrees(w, deg.tp, deg.pp, deg.micro_batch, deg.global_batch)
+        except InfeasibleTrial as err:
             raise InfeasibleTrial(
-                f"elastic world size {w} cannot keep global_batch {deg.global_batch} "
-                f"(micro_batch {deg.micro_batch} x dp {w / group:g} must divide it); narrow "
-                "elastic.min_workers/max_workers or choose a global_batch every size divides")
+                f"elastic world size {w} cannot keep the global batch: {err}; narrow "
+                "elastic.min_workers/max_workers or choose a global_batch every size divides"
+            ) from None
 
 
 def _trial_config(spec: StudySpec, point: dict[str, Any], deg: Degrees) -> TrialConfig:

@@ -106,7 +106,7 @@ def summarize(cfg: TrialConfig, summary: dict, t0: float) -> TrialResult:
     losses = summary["losses"]
     world = summary.get("world_size", cfg.world_size)
     ran = cfg if world == cfg.world_size else cfg.model_copy(update={  # an elastic trial's real size
-        "world_size": world, "dp": world // (cfg.tp * cfg.pp), "grad_accum": summary["grad_accum"]})
+        "world_size": world, "dp": summary["dp"], "grad_accum": summary["grad_accum"]})
     fields = throughput_metrics(ran, step_times)
     first = summary.get("first_measured_step_wall")
     missing: dict[str, str] = {}
@@ -144,9 +144,9 @@ def summarize(cfg: TrialConfig, summary: dict, t0: float) -> TrialResult:
         losses=losses,
         wall_time_s=time.time() - t0,
         time_to_first_step_s=(first - t0) if first else M.NAN,
-        restarts=summary.get("restarts", 0),
-        resizes=summary.get("resizes", []),
-        time_lost_s=summary.get("time_lost_s", 0.0),
+        restarts=summary["restarts"],
+        resizes=summary["resizes"],
+        time_lost_s=summary["time_lost_s"],
         extra={"deepspeed_config": summary["deepspeed_config"],
                "comm_logger": summary.get("comm_logger", {}),
                "comm_trace_device": summary.get("comm_trace_device"),

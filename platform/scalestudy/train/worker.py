@@ -79,7 +79,7 @@ def _fault_step(spec: str | None, run_name: str) -> int | None:
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    from scalestudy.spec.study import TrialConfig, elastic_grad_accum
+    from scalestudy.spec.study import TrialConfig
 
     cfg = TrialConfig.model_validate(config["trial"])
     if cfg.hardware_profile.kind == "cpu":
@@ -96,6 +96,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     from scalestudy.measure.profiled_window import reduce_across_ranks, run_profiled_window
     from scalestudy.measure.utilization import make_utilization
     from scalestudy.parallel.deepspeed_config import deepspeed_config
+    from scalestudy.parallel.degrees import derive_degrees
     from scalestudy.parallel.grid import ProcessGrid
     from scalestudy.train.data import global_batch, micro_batch_slice
     from scalestudy.train import resume
@@ -111,10 +112,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # one core per worker: the cpu-local "device"
 
-    # An elastic trial runs at whatever size Ray Train gave it, at the same global batch.
+    # The layout of the world Ray Train gave this attempt: the trial's own, or for an elastic trial
+    # another size at the same global batch (the spec check made sure it divides).
     world = dist.get_world_size()
-    dp = world // (cfg.tp * cfg.pp)
-    grad_accum = elastic_grad_accum(cfg, world) if cfg.elastic else cfg.grad_accum
+    ran = derive_degrees(world, cfg.tp, cfg.pp, cfg.micro_batch, cfg.global_batch)
+    dp, grad_accum = ran.dp, ran.grad_accum
     ds_config = deepspeed_config(cfg.model_copy(update={"grad_accum": grad_accum}))
     model = build_model(cfg.model_dims, cfg.seed, cfg.activation_checkpointing)
     engine, *_ = deepspeed.initialize(
@@ -200,6 +202,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         "memory_source": source,
         "first_measured_step_wall": state.first_measured_wall,
         "world_size": world,
+        "dp": dp,
         "grad_accum": grad_accum,
         "restarts": state.restarts,
         "resizes": state.resizes,
