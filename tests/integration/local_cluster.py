@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
+AUTOSCALING_FILE = "autoscaling.json"
 
 
 def free_port() -> int:
@@ -44,8 +45,7 @@ def _alive_nodes(gcs: str, env: dict[str, str]) -> int:
 
 
 @contextlib.contextmanager
-def local_head(num_cpus: int, dashboard: bool = False, autoscaling: dict | None = None,
-               autoscaler_interval_s: float = 1):
+def local_head(num_cpus: int, dashboard: bool = False, autoscaling: dict | None = None):
     """Yield a running Head; everything it started is killed on exit, also when the test fails."""
     from ray._private.services import get_node_ip_address
 
@@ -65,11 +65,10 @@ def local_head(num_cpus: int, dashboard: bool = False, autoscaling: dict | None 
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--disable-usage-stats"]
     if autoscaling is not None:
         # What ray.cluster_utils.AutoscalingCluster does, minus its global `ray stop --force`.
-        config = temp_dir / "autoscaling.json"
+        config = temp_dir / AUTOSCALING_FILE
         config.write_text(json.dumps(fake_autoscaling_config(autoscaling, num_cpus, gcs)))
         cmd.append(f"--autoscaling-config={config}")
-        env.update({"AUTOSCALER_UPDATE_INTERVAL_S": str(autoscaler_interval_s),
-                    "RAY_FAKE_CLUSTER": "1"})
+        env.update({"AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_FAKE_CLUSTER": "1"})
     log = open(temp_dir / "ray-start.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -105,6 +104,12 @@ def fake_autoscaling_config(worker_types: dict, head_cpus: int, gcs: str) -> dic
         "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [],
         "head_start_ray_commands": [], "worker_start_ray_commands": [],
     }
+
+
+def set_node_types(head: Head, worker_types: dict, head_cpus: int) -> None:
+    """Change what the autoscaler may launch: it re-reads its config file on every update."""
+    config = fake_autoscaling_config(worker_types, head_cpus, head.gcs_address)
+    (head.temp_dir / AUTOSCALING_FILE).write_text(json.dumps(config))
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -14,7 +14,8 @@ import pytest
 
 from scalestudy.track.ledger import Ledger
 from tests.conftest import REPO
-from tests.integration.local_cluster import BIN, alive_nodes, leftover_processes, local_head
+from tests.integration.local_cluster import (BIN, alive_nodes, leftover_processes, local_head,
+                                             set_node_types)
 
 pytestmark = pytest.mark.slow
 
@@ -107,14 +108,11 @@ def test_autoscaling_sweep_adds_nodes(tmp_path):
           f"sweep {json.dumps(out.splitlines()[-1])}")
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "races the autoscaler: if the trial's worker group starts after the fake node is up (seen once, "
-    "67 s to the first step) it starts at two workers and no resize happens; passed 2 of 3 runs"))
 def test_autoscaling_elastic_trial_grows_onto_a_new_node(tmp_path):
     """Elastic [1, 2] on a 1-CPU head: Ray Train starts the trial with the one worker that fits and
-    asks the autoscaler for room for two; when the fake node arrives (the autoscaler acts every 30 s
-    here, so the trial is running by then) the group grows to two workers, resuming from its
-    checkpoint at the same global batch."""
+    asks the autoscaler for room for two. Only once the trial is running does the test let the
+    autoscaler launch a node (before, it would race the trial's start); when the node arrives the
+    group grows to two workers, resuming from its checkpoint at the same global batch."""
     spec = tmp_path / "elastic.yaml"
     db = tmp_path / "mlflow.db"
     spec.write_text(f"""
@@ -125,24 +123,40 @@ world_size: 2
 micro_batch: 1
 global_batch: 2
 elastic: {{min_workers: 1, max_workers: 2, resize_check_s: 1}}
-steps: {{warmup: 2, measure: 1000, profile: 0}}
+steps: {{warmup: 2, measure: 1500, profile: 0}}
 fault_tolerance: {{checkpoint_every: 10}}
 tracking: {{mlflow_uri: "sqlite:///{db}"}}
 """)
     results = tmp_path / "results"
-    one_cpu_nodes = {"fake-gpu-node": {"resources": {"CPU": 1}, "node_config": {},
-                                       "min_workers": 0, "max_workers": 1}}
-    with local_head(num_cpus=1, autoscaling=one_cpu_nodes, autoscaler_interval_s=30) as head:
-        done = subprocess.run(
+
+    def node_types(max_nodes: int) -> dict:
+        return {"fake-gpu-node": {"resources": {"CPU": 1}, "node_config": {},
+                                  "min_workers": 0, "max_workers": max_nodes}}
+
+    with local_head(num_cpus=1, autoscaling=node_types(0)) as head:
+        sweep = subprocess.Popen(
             [str(BIN / "scalestudy"), "sweep", str(spec), "--results-root", str(results),
-             "--max-concurrent", "1"], env=head.env, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+             "--max-concurrent", "1"], env=head.env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.time() + 300
+            while not list(results.rglob("loop_state.json")):  # running, with one worker
+                assert sweep.poll() is None and time.time() < deadline, "trial never checkpointed"
+                time.sleep(0.5)
+            assert alive_nodes(head) == 1
+            set_node_types(head, node_types(1), head_cpus=1)
+            out, _ = sweep.communicate(timeout=900)
+        finally:
+            if sweep.poll() is None:
+                sweep.kill()
+                sweep.wait()
+        assert sweep.returncode == 0, out[-3000:]
         nodes = alive_nodes(head)
     assert leftover_processes(head) == []
     (row,) = Ledger(results / "elastic" / "trials.parquet").rows()
     assert row["status"] == "completed", row["reason"]
     resizes = json.loads(row["resizes"])
     assert nodes == 2 and [(r["from"], r["to"]) for r in resizes] == [(1, 2)], (nodes, resizes)
-    assert len(row["step_times_s"]) == 1000
+    assert len(row["step_times_s"]) == 1500
     assert json.loads(row["extra"])["final_grad_accum"] == 1
     print(f"\nelastic trial grew {resizes}, time lost {row['time_lost_s']:.1f} s")

@@ -65,7 +65,7 @@ def run_trial(
 
     `fault` ("RUN_NAME@STEP" or "*@STEP", from $SCALESTUDY_INJECT_FAULT) makes rank 0 raise at that
     step: the failure-path tests use it to fail a real trial on purpose."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     t0 = time.time() if t0 is None else t0
@@ -87,6 +87,8 @@ def run_trial(
             name=f"{cfg.study}-{cfg.run_name}-{cfg.trial_id}-{uuid.uuid4().hex[:6]}",
             storage_path=str(Path(storage_path).resolve()),
             failure_config=FailureConfig(max_failures=cfg.fault_tolerance.max_failures),
+            # A restart needs only the latest checkpoint; a long trial would otherwise keep them all.
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
             callbacks=callbacks or [],
         ),
     )
