@@ -22,9 +22,9 @@ What is measured, and which performance-model figure it replaces (perfmodel/para
     deepspeed.comm (what trials call), nccl-tests method: warm-up, repeated timed iterations, median,
     busbw = algbw * 2(n-1)/n (all_reduce) or (n-1)/n: `busbw_gbps_<op>` at the largest world size
     the cluster holds (up to 2 here) and the large-message figure as nvlink_gbps_per_gpu.
-  * Devices sharing a node: the GEMM and op benchmarks rerun in every worker of the multi-worker run
-    at once; the slowdown against the lone device is `shared_node_slowdown` (CPU cores share caches,
-    memory bandwidth and the machine's other processes; 1 on GPUs).
+  * A real DeepSpeed training step of a reference shape, alone and on every worker at once:
+    in_step_slowdown and shared_node_slowdown, the factors at which the model built from everything
+    above reproduces those steps (measure/reference_step.py says why the parts do not add up).
   * Power: only where a meter exists (NVML); none on this machine, so the catalogue figures stay.
 Runs in about a minute on 2 CPU cores (`quick` in well under that, for tests).
 """
@@ -41,6 +41,7 @@ from typing import Any
 
 import yaml
 
+from scalestudy.measure import reference_step
 from scalestudy.spec.catalog import HardwareProfile
 
 RESULT_FILE = "calibration.json"
@@ -50,10 +51,11 @@ SHAPES = [(512, 64, 64), (512, 64, 176), (512, 176, 64), (512, 64, 2048), (512, 
           (512, 256, 688), (2048, 256, 8192), (1024, 1024, 1024), (2048, 2048, 2048)]
 QUICK_SHAPES = [(512, 64, 64), (512, 64, 2048), (512, 256, 688), (1024, 1024, 1024)]
 # (batch, heads, seq, head_dim): llama2-tiny and llama2-small at the micro-batches and sequence
-# lengths the CPU studies use, and one larger head.
+# lengths the CPU studies use, the reference step's (2, 4, 256, 16), and one larger head.
 ATTENTION_SHAPES = [(1, 4, 128, 16), (4, 4, 128, 16), (8, 4, 128, 16), (1, 4, 512, 16),
-                    (4, 4, 256, 16), (4, 8, 128, 32), (2, 8, 512, 32), (1, 16, 1024, 64)]
-QUICK_ATTENTION_SHAPES = [(4, 4, 128, 16), (4, 8, 128, 32)]
+                    (2, 4, 256, 16), (4, 4, 256, 16), (4, 8, 128, 32), (2, 8, 512, 32),
+                    (1, 16, 1024, 64)]
+QUICK_ATTENTION_SHAPES = [(4, 4, 128, 16), (2, 4, 256, 16), (4, 8, 128, 32)]
 LOSS_SHAPES = [(512, 2048), (2048, 2048), (512, 8192), (4096, 8192)]  # (tokens, vocab)
 QUICK_LOSS_SHAPES = [(512, 2048), (512, 8192)]
 SIZES_BYTES = [2**k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
@@ -213,8 +215,8 @@ def engine_costs(precision: str, op_s: float) -> dict[str, float]:
     return {
         "step_overhead_s": max(0.0, small_total - kernels - per_param * params[0]),
         "optimizer_s_per_param": per_param,
-        # Hooks run in forward and in backward for each parameterised module.
-        "zero3_module_overhead_s": max(0.0, (zero3_total - small_total) / (2 * ENGINE_LAYERS)),
+        # Hooks run in forward and in backward for every module run: the Linears and the Sequential.
+        "zero3_module_overhead_s": max(0.0, (zero3_total - small_total) / (2 * (ENGINE_LAYERS + 1))),
     }
 
 
@@ -274,12 +276,17 @@ def _all_max(x: float) -> float:
 
 
 def calibration_loop(config: dict[str, Any]) -> None:
-    """Ray Train worker: the device benchmarks alone (world 1) or concurrently plus collectives."""
+    """Ray Train worker: the device benchmarks (world 1) or the collectives (more workers), then the
+    reference step on every worker at once."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import ray.train
     import torch
     import torch.distributed as dist
+
+    from scalestudy.train.host_memory import retain_freed_memory
+
+    retain_freed_memory()  # the allocator behaviour trial workers have
 
     torch.set_num_threads(1)  # one core per worker, as in trials
     deepspeed.init_distributed(dist_backend="gloo")
@@ -287,9 +294,9 @@ def calibration_loop(config: dict[str, Any]) -> None:
     shapes = QUICK_SHAPES if quick else SHAPES
     res: dict[str, Any] = {"world_size": world}
     dist.barrier()
-    res["op_overhead_s"] = statistics.median(op_overhead_s(p) for p in config["precisions"])
-    res["gemm"] = {p: gemm_curve(p, shapes) for p in config["precisions"]}
     if world == 1:
+        res["op_overhead_s"] = statistics.median(op_overhead_s(p) for p in config["precisions"])
+        res["gemm"] = {p: gemm_curve(p, shapes) for p in config["precisions"]}
         res["stream_gbps"] = stream_gbps(16 if quick else 64)
         res["attention"] = {p: attention_rows(p, QUICK_ATTENTION_SHAPES if quick else ATTENTION_SHAPES)
                             for p in config["precisions"]}
@@ -299,6 +306,8 @@ def calibration_loop(config: dict[str, Any]) -> None:
     else:
         res["comm"] = comm_curves(world, QUICK_SIZES_BYTES if quick else SIZES_BYTES,
                                   iters=8 if quick else 20)
+    res["reference_step_s"] = {p: reference_step.measure_step_s(p, steps=10 if quick else 20)
+                               for p in config["precisions"]}
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if dist.get_rank() == 0:
@@ -327,12 +336,6 @@ def _fit(world: int, config: dict[str, Any], storage: Path) -> dict[str, Any]:
         return json.loads((Path(d) / RESULT_FILE).read_text())
 
 
-def _gemm_ratio(alone: dict, shared: dict) -> float:
-    """Median slowdown of the same GEMMs when every device of the node runs them at once."""
-    ratios = [a[1] / s[1] for p in alone for a, s in zip(alone[p], shared.get(p, [])) if s[1] > 0]
-    return statistics.median(ratios) if ratios else 1.0
-
-
 def build_profile(base: HardwareProfile, alone: dict, shared: dict | None,
                   name: str | None = None) -> HardwareProfile:
     """Base figures overridden by the measured ones; extras in `calibration`."""
@@ -351,9 +354,6 @@ def build_profile(base: HardwareProfile, alone: dict, shared: dict | None,
     for key in ("step_overhead_s", "optimizer_s_per_param", "zero3_module_overhead_s"):
         cal[key] = statistics.median(costs[key] for costs in alone["engine"].values())
     if shared:
-        ops = shared["op_overhead_s"] / alone["op_overhead_s"]
-        cal["shared_node_slowdown"] = max(1.0, statistics.median([ops, _gemm_ratio(alone["gemm"],
-                                                                                    shared["gemm"])]))
         for op, curve in shared["comm"].items():
             cal[f"busbw_gbps_{op}"] = curve
         data["nvlink_gbps_per_gpu"] = max(c[1] for c in shared["comm"]["all_reduce"])
@@ -362,6 +362,10 @@ def build_profile(base: HardwareProfile, alone: dict, shared: dict | None,
     data["name"] = name or base.name
     data["description"] = (f"{base.description} (calibrated "
                            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())})")
+    # The step-level factors last: they are solved against the profile of everything above.
+    cal.update(reference_step.factors(
+        HardwareProfile(**data), base.name, alone["reference_step_s"],
+        shared["reference_step_s"] if shared else None, shared["world_size"] if shared else 1))
     return HardwareProfile(**data)
 
 

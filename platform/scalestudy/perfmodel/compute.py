@@ -27,10 +27,14 @@ Algorithm (per transformer block, after the tensor-parallel split):
     rows [tokens, vocab, forward s, backward s]: nearest row, scaled by the logits ratio).
   * Framework cost: op_overhead_s per dispatched op, with the op counts below (GEMMs, attention and
     loss included), on top of the kernel times above.
-  * ZeRO-3 hooks: zero3_module_overhead_s per parameterised module in forward and in backward.
+  * ZeRO-3 hooks: zero3_module_overhead_s per module run, in forward and in backward.
   * Optimizer: Adam streams every local fp32 state once per step (read master, m, v, grad; write them
     and the 16-bit copy): ~36 bytes per parameter held, memory-bound; or the measured
     optimizer_s_per_param. Plus step_overhead_s.
+  * The kernel and op sums above are times in_step_slowdown (a real step against its parts benchmarked
+    alone; the ZeRO-3 and optimizer figures were measured in an engine step and are not), and all of
+    forward and backward times shared_node_slowdown when every device of the node trains at once
+    (params.py says what each stands for and how calibrate measures it).
 Assumptions: no kernel fusion beyond attention; dropout off (Llama); GEMMs do not overlap each other.
 """
 
@@ -52,10 +56,13 @@ from scalestudy.spec.study import TrialConfig
 FORWARD_OPS_PER_LAYER, BACKWARD_OPS_PER_LAYER = 47, 84
 FORWARD_OPS_OUTSIDE, BACKWARD_OPS_OUTSIDE = 28, 26
 SCORE_PASSES = 7  # see the module doc (unfused attention)
-# Parameterised modules (ZeRO-3 hook targets): q, k, v, o, gate, up, down and two RMSNorms per Llama
-# block; qkv, proj, fc, proj and two LayerNorms per GPT block; embedding, final norm and LM head.
-MODULES_PER_LAYER = {"llama": 9, "gpt": 6}
-MODULES_OUTSIDE_LAYERS = 3
+# Modules whose forward runs (ZeRO-3 hooks every one of them, with parameters or not), counted on the
+# HF models: per Llama block the block, attention, q, k, v, o, MLP, gate, up, down, SiLU and two
+# RMSNorms; outside them the causal LM, the model, embedding, rotary embedding, final norm and LM head.
+# Per GPT-2 block the block, two LayerNorms, attention, its two Conv1D, MLP, its two Conv1D, GeLU
+# and two dropouts; outside them the LM, model, two embeddings, dropout, final norm and LM head.
+MODULES_PER_LAYER = {"llama": 13, "gpt": 12}
+MODULES_OUTSIDE_LAYERS = {"llama": 6, "gpt": 7}
 ADAM_BYTES_PER_PARAM = {Precision.fp32: 28.0, Precision.bf16: 36.0, Precision.fp16: 36.0}
 
 
@@ -202,16 +209,17 @@ def compute_times(cfg: TrialConfig, p: ModelParams) -> ComputeTimes:
     fwd = layers * layer_f + head_gemm + loss_f + FORWARD_OPS_OUTSIDE * d.op
     bwd = layers * layer_b + 2 * head_gemm + loss_b + BACKWARD_OPS_OUTSIDE * d.op
     recompute = layers * layer_f if cfg.activation_checkpointing else 0.0
-    if cfg.zero_stage == 3 and p.zero3_module_overhead_s:
-        hooks = (layers * MODULES_PER_LAYER[dims.architecture] + MODULES_OUTSIDE_LAYERS)
+    k = p.in_step_slowdown  # the parts above inside a real step (see params.py)
+    fwd, bwd, recompute = fwd * k, bwd * k, recompute * k
+    if cfg.zero_stage == 3 and p.zero3_module_overhead_s:  # measured inside an engine step already
+        hooks = layers * MODULES_PER_LAYER[dims.architecture] + MODULES_OUTSIDE_LAYERS[dims.architecture]
         fwd += hooks * p.zero3_module_overhead_s
         bwd += hooks * p.zero3_module_overhead_s
-
-    if min(cfg.world_size, cfg.hardware_profile.gpus_per_node) > 1 and p.shared_node_slowdown > 1:
-        k = p.shared_node_slowdown  # every device of the node busy at once (see params.py)
+    if min(cfg.world_size, cfg.hardware_profile.gpus_per_node) > 1:
+        k = p.shared_node_slowdown  # every device of the node busy at once
         fwd, bwd, recompute = fwd * k, bwd * k, recompute * k
     held = params_per_device(dims, tp, cfg.pp) / (cfg.dp if cfg.zero_stage >= 1 else 1)
     per_param = (ADAM_BYTES_PER_PARAM[cfg.precision] / d.hbm if p.optimizer_s_per_param is None
                  else p.optimizer_s_per_param)
-    optimizer = held * per_param + p.step_overhead_s
+    optimizer = held * per_param + p.step_overhead_s  # likewise
     return ComputeTimes(fwd, bwd, recompute, optimizer, layers)

@@ -36,9 +36,18 @@ class ModelParams(BaseModel):
     # Fixed cost of one kernel / framework op (launch + dispatch). GPU: ~5-10 us of CPU-side launch that
     # is mostly hidden by asynchronous launches, so a small default; CPU eager PyTorch: tens of us.
     op_overhead_s: float = Field(4e-6, ge=0)
-    # Compute slowdown of each device while every device of its node is busy, against one device
-    # alone (measured by calibrate: CPU cores share caches, memory bandwidth and the OS's other work;
-    # a GPU has its own SMs and HBM, so 1).
+    # Compute of a real training step against the sum of its parts benchmarked alone (calibrate: a
+    # DeepSpeed step of a reference shape on one device over the model's sum of the microbenchmarks).
+    # On CPU eager PyTorch a step's kernels meet caches that the previous kernels evicted and
+    # Python/autograd/engine work between them, where each microbenchmark loops hot on one op (1.1-1.3
+    # on the 2-core CI machine). On GPUs the efficiencies above are what kernels reach in real
+    # training, so 1.
+    in_step_slowdown: float = Field(1.0, ge=1)
+    # Compute slowdown of each device while every device of its node trains at once, against one
+    # device alone (calibrate: the reference step on every worker of a node as data parallelism, over
+    # what the model predicts for it from the lone step and the collectives' benchmarks). CPU cores
+    # share caches, memory bandwidth and the cores the OS, Ray and the driver also need, and a
+    # synchronous collective waits for the core that was interrupted. A GPU has its own SMs and HBM: 1.
     shared_node_slowdown: float = Field(1.0, ge=1)
     # Fixed cost per optimizer step outside the kernels above (engine bookkeeping, loss scaling,
     # gradient-norm reduction, data loading not hidden).

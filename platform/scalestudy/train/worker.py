@@ -80,10 +80,12 @@ def _fault_step(spec: str | None, run_name: str) -> int | None:
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     from scalestudy.spec.study import TrialConfig
+    from scalestudy.train.host_memory import retain_freed_memory
 
     cfg = TrialConfig.model_validate(config["trial"])
     if cfg.hardware_profile.kind == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        retain_freed_memory()
 
     import deepspeed
     import ray.train

@@ -1,0 +1,108 @@
+"""`scalestudy calibrate`'s reference step: real DeepSpeed training steps of one fixed shape, and the
+two factors at which the performance model reproduces them.
+
+Why: the microbenchmarks time each kind of op alone, looping hot on the same tensors. Inside a
+training step on CPU every op meets caches that the ops before it evicted, and Python, autograd and
+the engine run between kernels; the step costs more than the sum of its parts (1.2-1.5x on this
+machine's cores). And when every core of the node trains, the cores share caches and memory
+bandwidth, the OS, Ray's processes and the driver take their CPU time from the trainers, and each
+synchronous collective waits for whichever core was interrupted. Neither is an op the model could
+price one by one, so calibrate measures both where they happen:
+
+  * alone (the one-worker run): in_step_slowdown, the factor on the kernel and op sums of forward
+    and backward (compute.py) at which the model's step time equals the measured median step;
+  * every worker of the node at once, data parallel (the multi-worker run): shared_node_slowdown
+    likewise, with in_step_slowdown fixed and the gradient all-reduce priced from the collectives'
+    benchmarks of the same run.
+
+The reference is llama2-tiny at ZeRO stage 0, micro-batch 2 x 256 tokens. No shipped CPU study uses
+that shape (the quick start runs 4 x 128 at every stage), so checking a calibrated profile against
+a quick-start sweep tests prediction, not replay.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from scalestudy.perfmodel.params import params_for
+from scalestudy.perfmodel.predict import simulate
+from scalestudy.spec.catalog import HardwareProfile
+from scalestudy.spec.load import validate_spec
+from scalestudy.spec.study import TrialConfig, expand
+
+REFERENCE = {"model": "llama2-tiny", "micro_batch": 2, "seq_len": 256, "zero_stage": 0}
+WARMUP_STEPS = 3
+FACTOR_RANGE = (1.0, 8.0)  # a slowdown is at least 1; 8 only bounds the search
+
+
+def reference_config(precision: str, world_size: int, hardware: str = "cpu-local") -> TrialConfig:
+    spec = validate_spec({"name": "calibrate-reference", "hardware": hardware, "precision": precision,
+                          "world_size": world_size, **REFERENCE})
+    return expand(spec)[0].config
+
+
+def measure_step_s(precision: str, steps: int) -> float:
+    """Seconds of a real training step of the reference on every rank of the current process group
+    at once, taken as trials take theirs: the trial's data, the slowest rank's time of each step,
+    the median over steps. A FIXED number of steps: every rank must issue the same collectives."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from scalestudy.parallel.deepspeed_config import deepspeed_config
+    from scalestudy.train.data import global_batch, micro_batch_slice
+    from scalestudy.train.model_factory import build_model
+
+    cfg = reference_config(precision, dist.get_world_size())
+    model = build_model(cfg.model_dims, cfg.seed)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=deepspeed_config(cfg))
+    times = []
+    for step in range(WARMUP_STEPS + steps):
+        t = time.perf_counter()
+        batch = global_batch(step, cfg.global_batch, cfg.seq_len, cfg.model_dims.vocab_size, cfg.seed)
+        ids = micro_batch_slice(batch, 0, dist.get_rank(), cfg.dp, cfg.micro_batch)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        times.append(time.perf_counter() - t)
+    engine.destroy()
+    slowest = torch.tensor(times[WARMUP_STEPS:], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return statistics.median(slowest.tolist())
+
+
+def solve_factor(cfg: TrialConfig, name: str, measured_s: float, **fixed: float) -> float:
+    """The value of the slowdown `name` in FACTOR_RANGE at which the model's step time of `cfg`
+    equals measured_s (bisection: the step time grows with either factor). Clamped at the range's
+    ends: a measured step faster than the model's unslowed one gives 1."""
+    def step_s(k: float) -> float:
+        return simulate(cfg, params_for(cfg.hardware_profile, **fixed, **{name: k}))[0].step_s
+
+    low, high = FACTOR_RANGE
+    if step_s(low) >= measured_s:
+        return low
+    if step_s(high) <= measured_s:
+        return high
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if step_s(mid) < measured_s else (low, mid)
+    return (low + high) / 2
+
+
+def factors(profile: HardwareProfile, base: str, alone_s: dict[str, float],
+            shared_s: dict[str, float] | None = None, world: int = 1) -> dict[str, float]:
+    """in_step_slowdown, and shared_node_slowdown when a `world`-worker run measured the reference
+    too, from the measured steps ({precision: seconds}) against `profile` (the microbenchmarks'
+    profile, built on the catalogue profile `base`)."""
+    def on(precision: str, world_size: int) -> TrialConfig:
+        cfg = reference_config(precision, world_size, hardware=base)
+        return cfg.model_copy(update={"hardware_profile": profile, "hardware": profile.name})
+
+    out = {"in_step_slowdown": statistics.median(
+        solve_factor(on(p, 1), "in_step_slowdown", s) for p, s in alone_s.items())}
+    if shared_s and world > 1:
+        out["shared_node_slowdown"] = statistics.median(
+            solve_factor(on(p, world), "shared_node_slowdown", s, **out) for p, s in shared_s.items())
+    return out
