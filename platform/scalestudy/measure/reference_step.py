@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
 
 from scalestudy.perfmodel.params import params_for
 from scalestudy.perfmodel.predict import simulate

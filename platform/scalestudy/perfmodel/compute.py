@@ -209,17 +209,19 @@ def compute_times(cfg: TrialConfig, p: ModelParams) -> ComputeTimes:
     fwd = layers * layer_f + head_gemm + loss_f + FORWARD_OPS_OUTSIDE * d.op
     bwd = layers * layer_b + 2 * head_gemm + loss_b + BACKWARD_OPS_OUTSIDE * d.op
     recompute = layers * layer_f if cfg.activation_checkpointing else 0.0
-    k = p.in_step_slowdown  # the parts above inside a real step (see params.py)
+    # The parts above inside a real step (see params.py). The ZeRO-3 hook and optimizer figures below
+    # were measured inside an engine step already, so in_step_slowdown does not apply to them.
+    k = p.in_step_slowdown
     fwd, bwd, recompute = fwd * k, bwd * k, recompute * k
-    if cfg.zero_stage == 3 and p.zero3_module_overhead_s:  # measured inside an engine step already
+    if cfg.zero_stage == 3 and p.zero3_module_overhead_s:
         hooks = layers * MODULES_PER_LAYER[dims.architecture] + MODULES_OUTSIDE_LAYERS[dims.architecture]
         fwd += hooks * p.zero3_module_overhead_s
         bwd += hooks * p.zero3_module_overhead_s
     if min(cfg.world_size, cfg.hardware_profile.gpus_per_node) > 1:
-        k = p.shared_node_slowdown  # every device of the node busy at once
-        fwd, bwd, recompute = fwd * k, bwd * k, recompute * k
+        shared = p.shared_node_slowdown  # every device of the node busy at once
+        fwd, bwd, recompute = fwd * shared, bwd * shared, recompute * shared
     held = params_per_device(dims, tp, cfg.pp) / (cfg.dp if cfg.zero_stage >= 1 else 1)
     per_param = (ADAM_BYTES_PER_PARAM[cfg.precision] / d.hbm if p.optimizer_s_per_param is None
                  else p.optimizer_s_per_param)
-    optimizer = held * per_param + p.step_overhead_s  # likewise
+    optimizer = held * per_param + p.step_overhead_s
     return ComputeTimes(fwd, bwd, recompute, optimizer, layers)
