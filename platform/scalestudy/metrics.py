@@ -35,9 +35,17 @@ STEP_TIME_S_PROFILED = "step_time_s_profiled"  # profiled window, perturbed: nev
 # Device busy-ness over the timed window: NVML utilization % (GPU) / CPU-seconds per wall second (CPU)
 DEVICE_UTILIZATION_PCT = "device_utilization_pct"
 CPU_UTILIZATION_CORES = "cpu_utilization_cores"
-# Memory
+# Memory, per device (max over the trial's devices). On GPU: the caching allocator's peak allocated
+# bytes (PEAK_MEMORY_GIB), its peak reserved bytes (what the allocator holds from the driver, including
+# fragmentation: the figure an OOM is decided against) and NVML's used memory of the trial's device
+# (everything on the device: CUDA context, NCCL buffers, reserved pool, other processes). On CPU the
+# first is the process's peak RSS and the other two are NaN with a reason.
 PEAK_MEMORY_GIB = "peak_memory_gib"
-# Energy: measured ...
+PEAK_MEMORY_RESERVED_GIB = "peak_memory_reserved_gib"
+DEVICE_MEMORY_USED_GIB = "device_memory_used_gib"
+# Energy: measured over the timed window (checkpoint saves excluded), on the trial's own devices only.
+# energy_source "nvml" covers the GPU boards only (no CPUs, host memory, NICs, fans, PSU losses);
+# "rapl" covers CPU packages and their DRAM. POWER_W is per device of the trial (mean over them).
 POWER_W = "power_w"
 ENERGY_J = "energy_j"
 ENERGY_PER_TOKEN_J = "energy_per_token_j"
@@ -63,7 +71,8 @@ SCALAR_METRICS: tuple[str, ...] = (
     STEP_TIME_S, STEP_TIME_P90_S, TOKENS_PER_S, TOKENS_PER_S_PER_DEVICE, MODEL_TFLOPS_PER_DEVICE,
     MFU, HFU, COMM_TIME_S, COMM_EXPOSED_S, COMM_EXPOSED_FRACTION, COMPUTE_TIME_S, BUBBLE_TIME_S,
     STEP_TIME_S_PROFILED,
-    DEVICE_UTILIZATION_PCT, CPU_UTILIZATION_CORES, PEAK_MEMORY_GIB,
+    DEVICE_UTILIZATION_PCT, CPU_UTILIZATION_CORES, PEAK_MEMORY_GIB, PEAK_MEMORY_RESERVED_GIB,
+    DEVICE_MEMORY_USED_GIB,
     POWER_W, ENERGY_J, ENERGY_PER_TOKEN_J, TOKENS_PER_J,
     POWER_W_ESTIMATED, ENERGY_J_ESTIMATED, ENERGY_PER_TOKEN_J_ESTIMATED, TOKENS_PER_J_ESTIMATED,
     LOSS_FIRST, LOSS_LAST, WALL_TIME_S, TIME_TO_FIRST_STEP_S, RESTARTS, TIME_LOST_S,
@@ -77,13 +86,33 @@ class Status(str, Enum):
     timeout = "timeout"
 
 
+def busbw_factor(kind: str, group_size: int) -> float:
+    """busbw / algbw of one collective over ``group_size`` ranks, as nccl-tests defines it
+    (doc/PERFORMANCE.md): all_reduce 2(n-1)/n; all_gather, reduce_scatter and all_to_all (n-1)/n;
+    broadcast, reduce, send/recv and everything else 1. ``group_size`` is the collective's OWN group
+    (tp for a tensor-parallel all_reduce, dp for gradient reduction), never the world size."""
+    n = int(group_size)
+    if n < 1:
+        raise ValueError(f"group size must be >= 1, got {group_size}")
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
 class CollectiveStats(BaseModel):
-    """One collective kind, per optimizer step, averaged over the profiled window."""
+    """One collective kind, per optimizer step, averaged over the profiled window.
+
+    ``bus_bytes`` is the sum over calls of bytes x busbw_factor(kind, that call's group size), so
+    ``busbw_gbps`` = bus_bytes / time_s stays right when one kind runs in groups of different sizes
+    (tp and dp all_reduces); NaN where the calls' groups are unknown."""
 
     model_config = ConfigDict(extra="forbid")
     count: float
     bytes: float
     time_s: float
+    bus_bytes: float = NAN
     algbw_gbps: float = NAN
     busbw_gbps: float = NAN
 
@@ -136,6 +165,8 @@ class TrialResult(BaseModel):
     device_utilization_pct: float = NAN
     cpu_utilization_cores: float = NAN
     peak_memory_gib: float = NAN
+    peak_memory_reserved_gib: float = NAN
+    device_memory_used_gib: float = NAN
     memory_source: str | None = None
     power_w: float = NAN
     energy_j: float = NAN

@@ -1,7 +1,9 @@
 """The profiled window on 2 real CPU processes (gloo + DeepSpeed, no Ray): collectives, bytes, overlap.
 
 Each process builds a tiny Llama twice (ZeRO-0, then ZeRO-3), runs one warm-up step and a profiled
-window with the comms logger cross-check, and writes its (rank-reduced) figures as JSON.
+window with the comms logger cross-check, and writes its (rank-reduced) figures as JSON. Then, per stage,
+an engine with 4 micro-batches per step is profiled over its last 2 micro-batches and over all 4: the
+extrapolated per-step figures of the capped window must match the whole step's.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 
 PROFILED_STEPS = 2
 SEQ, MICRO = 32, 2
+GRAD_ACCUM, CAP = 4, 2
 DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, vocab_size=2048, max_position_embeddings=SEQ,
             tie_word_embeddings=False)
@@ -33,7 +36,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from scalestudy.measure.profiled_window import reduce_across_ranks, run_profiled_window
+    from scalestudy.measure.profiled_window import (reduce_across_ranks, run_profiled_micro_batches,
+                                                    run_profiled_window)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -60,6 +64,24 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         per_rank = pw.summary()
         reduced = reduce_across_ranks(pw).summary()
         results[stage] = {"rank": per_rank, "reduced": reduced, "param_bytes": param_bytes}
+        engine.destroy() if hasattr(engine, "destroy") else None
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**DIMS))
+        ds["gradient_accumulation_steps"] = GRAD_ACCUM
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+
+        def micro_batch(step: int, k: int) -> None:
+            g = torch.Generator().manual_seed(1000 * step + 10 * k + rank)
+            ids = torch.randint(0, DIMS["vocab_size"], (MICRO, SEQ), generator=g)
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+
+        for k in range(GRAD_ACCUM):  # warm-up step
+            micro_batch(0, k)
+        capped = run_profiled_micro_batches(micro_batch, GRAD_ACCUM, cap=CAP, first_step=1)
+        whole = run_profiled_micro_batches(micro_batch, GRAD_ACCUM, cap=GRAD_ACCUM, first_step=2)
+        results[f"{stage}-accum"] = {"capped": capped.summary(), "whole": whole.summary()}
         engine.destroy() if hasattr(engine, "destroy") else None
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
@@ -182,3 +204,34 @@ def test_energy_sums_one_meter_per_node(windows):
         assert src2 == "rapl" and e2 == pytest.approx(1.0 + 2.0)  # both nodes' meters counted
         e1, src1 = res["energy"]["one_node"]
         assert src1 == "rapl" and e1 == pytest.approx(1.0)  # rank 1 shares rank 0's node: not added
+
+
+@pytest.mark.parametrize("stage", ["0", "3"])
+def test_capped_window_extrapolates_to_the_whole_step(windows, stage):
+    """Counts and bytes per step from the last 2 of 4 micro-batches equal those of all 4 traced."""
+    for res in windows:
+        capped, whole = res[f"{stage}-accum"]["capped"], res[f"{stage}-accum"]["whole"]
+        assert capped["micro_batches_profiled"] == CAP and whole["micro_batches_profiled"] == GRAD_ACCUM
+        assert set(capped["comm"]) == set(whole["comm"]), (capped["comm"], whole["comm"])
+        for kind, st in whole["comm"].items():
+            assert (capped["comm"][kind]["count"], capped["comm"][kind]["bytes"]) == (st["count"], st["bytes"])
+            assert capped["comm"][kind]["bus_bytes"] == pytest.approx(st["bus_bytes"])
+        assert 0 <= capped["comm_exposed_fraction"] <= 1
+
+
+def test_gradient_reduction_happens_once_per_step_under_zero0(windows):
+    """ZeRO-0 all-reduces gradients at the accumulation boundary only: per-step bytes do not grow
+    with the micro-batches (the same as the one-micro-batch engine's), and the group is the world."""
+    for res in windows:
+        accum = res["0-accum"]["whole"]["comm"]["all_reduce"]
+        assert accum["bytes"] == res["0"]["rank"]["comm"]["all_reduce"]["bytes"]
+        assert accum["bus_bytes"] == pytest.approx(accum["bytes"] * 1.0)  # 2(n-1)/n at n = 2
+
+
+def test_zero3_gathers_every_micro_batch(windows):
+    """ZeRO-3 gathers partitioned weights in every micro-batch's forward (and, for the persistent
+    small parameters, once after the optimizer step), so per-step gathers grow with the micro-batches,
+    unlike ZeRO-0's all_reduce."""
+    for res in windows:
+        one = res["3"]["rank"]["comm"]["all_gather"]["count"]
+        assert res["3-accum"]["whole"]["comm"]["all_gather"]["count"] > one

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from scalestudy.measure.overlap import (
-    STEP_ANNOTATION, exposed_time, intervals_from_chrome_trace, kind_of, measure, merge, subtract,
+    BOUNDARY_ANNOTATION, MICRO_ANNOTATION, STEP_ANNOTATION, exposed_time, intervals_from_chrome_trace,
+    kind_of, measure, merge, subtract,
 )
 
 
@@ -83,7 +84,7 @@ def test_gloo_trace_shape():
         _x("aten::mm", 80, 20, 1),
     ]}
     ti = intervals_from_chrome_trace(trace)
-    assert ti.device == "cpu" and ti.steps == [(0, 100)]
+    assert ti.device == "cpu" and ti.units == [(0, 100)] and ti.unit_boundary == [True]
     assert [(c.kind, c.bytes) for c in ti.calls] == [("reduce_scatter", 32), ("all_reduce", 40)]
     assert ti.comm_by_kind == {"reduce_scatter": [(25, 55)], "all_reduce": [(61, 70)]}
     assert measure(ti.compute) == 50  # the three mm; not clone (inside c10d), not copy_ (gloo thread)
@@ -119,3 +120,28 @@ def test_record_param_comms_gives_sizes_with_dtype():
     ti = intervals_from_chrome_trace(trace)
     assert [(c.kind, c.bytes) for c in ti.calls] == [("all_gather", 16000)]  # not double-counted
     assert ti.comm_by_kind == {"all_gather": [(5, 15)]}
+
+
+def test_group_sizes_from_annotations_on_gloo_and_record_param_comms_on_nccl():
+    """Gloo: the size comes from the scalestudy.comm_group annotation enclosing the c10d op on the same
+    thread (an annotation on another thread does not count). NCCL: from record_param_comms."""
+    from scalestudy.measure.comm_groups import annotation_name
+
+    gloo = {"traceEvents": [
+        _x(MICRO_ANNOTATION, 0, 50, 1, cat="user_annotation"),
+        _x(BOUNDARY_ANNOTATION, 50, 50, 1, cat="user_annotation"),
+        _x(annotation_name(2), 10, 5, 1, cat="user_annotation"),
+        _x("c10d::allreduce_", 11, 3, 1, **{"Input Dims": [[[4]]], "Input type": ["TensorList"]}),
+        _x(annotation_name(4), 60, 5, 1, cat="user_annotation"),
+        _x("c10d::allreduce_", 61, 3, 1, **{"Input Dims": [[[4]]], "Input type": ["TensorList"]}),
+        _x(annotation_name(8), 70, 9, 2, cat="user_annotation"),  # another thread
+        _x("c10d::broadcast_", 71, 3, 1, **{"Input Dims": [[[4]]], "Input type": ["TensorList"]}),
+    ]}
+    ti = intervals_from_chrome_trace(gloo)
+    assert [(c.kind, c.group_size) for c in ti.calls] == [("all_reduce", 2), ("all_reduce", 4),
+                                                          ("broadcast", None)]
+    assert ti.units == [(0, 50), (50, 100)] and ti.unit_boundary == [False, True]
+    nccl = [_x("record_param_comms", 0, 1, 1, **{"Collective name": "allreduce", "dtype": "Float",
+                                                   "In msg nelems": 8, "Out msg nelems": 8,
+                                                   "Group size": 2, "Process Group Ranks": "[0, 1]"})]
+    assert [(c.bytes, c.group_size) for c in intervals_from_chrome_trace(nccl).calls] == [(32, 2)]

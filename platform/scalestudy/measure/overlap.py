@@ -37,6 +37,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from scalestudy.measure.comm_groups import GroupAnnotations
+
 Interval = tuple[float, float]  # (start, end), same unit throughout (the trace's microseconds)
 
 
@@ -133,13 +135,15 @@ def kind_of(name: str) -> str:
 
 @dataclass
 class CollectiveCall:
-    """One collective as issued by the caller (a ``c10d::`` op): kind and nccl-tests size in bytes."""
+    """One collective as issued by the caller (a ``c10d::`` op): kind, nccl-tests size in bytes and the
+    size of the group it ran in (None: unknown, see measure.comm_groups)."""
 
     kind: str
     bytes: int
     start_us: float
     end_us: float
     width_known: bool = True  # False: a TensorList, whose element type the trace does not record
+    group_size: int | None = None
 
 
 @dataclass
@@ -149,10 +153,16 @@ class TraceIntervals:
     compute: list[Interval] = field(default_factory=list)
     comm_by_kind: dict[str, list[Interval]] = field(default_factory=dict)  # executed spans per kind
     calls: list[CollectiveCall] = field(default_factory=list)
-    steps: list[Interval] = field(default_factory=list)  # spans of STEP_ANNOTATION
+    # The profiled units, sorted: whole steps (STEP_ANNOTATION) or micro-batches (MICRO_ANNOTATION,
+    # BOUNDARY_ANNOTATION for the one that ends the step: gradient reduction, optimizer step).
+    units: list[Interval] = field(default_factory=list)
+    unit_boundary: list[bool] = field(default_factory=list)  # per unit: it ends an optimizer step
 
 
 STEP_ANNOTATION = "scalestudy.profiled_step"
+MICRO_ANNOTATION = "scalestudy.profiled_micro_batch"
+BOUNDARY_ANNOTATION = "scalestudy.profiled_micro_batch.boundary"
+_UNIT_BOUNDARY = {STEP_ANNOTATION: True, MICRO_ANNOTATION: False, BOUNDARY_ANNOTATION: True}
 PARAM_COMMS = "record_param_comms"
 _DTYPE_BYTES = {
     "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "half": 2, "bfloat16": 2,
@@ -192,10 +202,12 @@ def _call_bytes(kind: str, args: dict[str, Any]) -> tuple[int, bool]:
     return sizes[0], known
 
 
-def _c10d_call(e: dict[str, Any]) -> CollectiveCall:
+def _c10d_call(e: dict[str, Any], groups: GroupAnnotations) -> CollectiveCall:
     kind = kind_of(e["name"])
     nbytes, known = _call_bytes(kind, e.get("args", {}))
-    return CollectiveCall(kind, nbytes, e["ts"], e["ts"] + e["dur"], known)
+    end = e["ts"] + e["dur"]
+    size = groups.size_at((e.get("pid"), e.get("tid")), e["ts"], end)
+    return CollectiveCall(kind, nbytes, e["ts"], end, known, size)
 
 
 # c10::toString names of dtypes, as record_param_comms writes them
@@ -205,18 +217,30 @@ _PARAM_COMMS_DTYPE_BYTES = {
 }
 
 
-def _param_comms_call(e: dict[str, Any]) -> CollectiveCall:
+def _param_comms_call(e: dict[str, Any], groups: GroupAnnotations) -> CollectiveCall:
     """A ``record_param_comms`` event (emitted by ProcessGroupNCCL, not by gloo in torch 2.13): it
-    names the collective and gives element counts and dtype; nccl-tests size = the larger buffer for
-    all_gather / reduce_scatter / all_to_all, the input otherwise."""
+    names the collective and gives element counts, dtype and group size; nccl-tests size = the larger
+    buffer for all_gather / reduce_scatter / all_to_all, the input otherwise."""
     a = e.get("args", {})
+    size = _int_or_none(a.get("Group size"))
+    if size is None:
+        size = groups.size_at((e.get("pid"), e.get("tid")), e["ts"], e["ts"] + e["dur"])
     kind = kind_of(str(a.get("Collective name", "")))
     width = _PARAM_COMMS_DTYPE_BYTES.get(str(a.get("dtype", "")).strip('"'))
     n_in, n_out = int(a.get("In msg nelems", 0) or 0), int(a.get("Out msg nelems", 0) or 0)
     nelems = max(n_in, n_out) if kind in ("all_gather", "reduce_scatter", "all_to_all") else n_in
     if kind == "barrier":
         nelems = 0
-    return CollectiveCall(kind, nelems * (width or 4), e["ts"], e["ts"] + e["dur"], width is not None)
+    return CollectiveCall(kind, nelems * (width or 4), e["ts"], e["ts"] + e["dur"], width is not None,
+                          size)
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        return None
+    return n if n >= 1 else None
 
 
 def _is_kernel(ev: dict[str, Any]) -> bool:
@@ -230,13 +254,17 @@ def intervals_from_chrome_trace(trace: dict[str, Any] | list[dict[str, Any]]) ->
     (kernels with streams as tids, gloo worker threads as tids) and can be re-analysed offline."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
-    steps = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("name") == STEP_ANNOTATION]
+    units = sorted((e["ts"], e["ts"] + e["dur"], _UNIT_BOUNDARY[e["name"]]) for e in spans
+                   if e.get("name") in _UNIT_BOUNDARY)
+    groups = GroupAnnotations(spans)
     # Calls: record_param_comms where the backend emits it (NCCL: exact dtype), else the c10d ops.
-    calls = [_param_comms_call(e) for e in spans if e.get("name") == PARAM_COMMS]
+    calls = [_param_comms_call(e, groups) for e in spans if e.get("name") == PARAM_COMMS]
     if not calls:
-        calls = [_c10d_call(e) for e in spans if e.get("cat") == "cpu_op" and e["name"].startswith("c10d::")]
+        calls = [_c10d_call(e, groups) for e in spans
+                 if e.get("cat") == "cpu_op" and e["name"].startswith("c10d::")]
     out = TraceIntervals(device="gpu" if any(_is_kernel(e) for e in spans) else "cpu",
-                         calls=sorted(calls, key=lambda c: c.start_us), steps=sorted(steps))
+                         calls=sorted(calls, key=lambda c: c.start_us),
+                         units=[(s, t) for s, t, _ in units], unit_boundary=[b for _, _, b in units])
 
     def add_comm(kind: str, iv: Interval) -> None:
         out.comm.append(iv)

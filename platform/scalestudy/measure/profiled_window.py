@@ -1,38 +1,42 @@
-"""The profiled window: a few extra steps after the timed window, under torch.profiler.
+"""The profiled window: work after the timed window, under torch.profiler, bounded in micro-batches.
 
 API
 ---
+``profiled_micro_batches(grad_accum, cap=8) -> int``: how many micro-batches of a step are traced,
+min(grad_accum, cap). At global batch 2,048 on 8 GPUs with micro-batch 1 a step has 256 micro-batches;
+the window traces 8 of them, whatever the global batch, so a trace stays a few MB per rank.
+
+``run_profiled_micro_batches(micro_batch_fn, grad_accum, *, cap=8, device, first_step=0, n_steps=1,
+trace_path=None) -> ProfiledWindow`` (per rank; the body's choice after the timed window)
+
+* ``micro_batch_fn(step, k)`` runs micro-batch ``k`` (0 .. grad_accum-1) of optimizer step ``step``:
+  forward, backward and ``engine.step()`` (DeepSpeed steps the optimizer at the last micro-batch).
+* For each of ``n_steps`` steps: micro-batches 0 .. grad_accum-n-1 run unprofiled (the step must be
+  whole), then the ranks align and the last n = ``profiled_micro_batches(grad_accum, cap)`` run under
+  the profiler, each annotated and closed by a device sync so its kernels fall inside it. The last
+  one is marked as the step's boundary: it also holds the gradient reduction of ZeRO-0/1 and the
+  optimizer step, which the others lack.
+* Per-step figures = boundary micro-batch + (grad_accum - 1) x mean of the other profiled ones
+  (``comm.extrapolate_per_step``). Scaled so: step time, comm time, exposed comm time, collective
+  counts, bytes and bus bytes (all additive over micro-batches). Not scaled: the exposed fraction and
+  the bandwidths, which are ratios of extrapolated figures. Exact when n = grad_accum.
+
 ``run_profiled_window(step_fn, n_steps, *, world_size, device, first_step=0, comms_logger=False,
-trace_path=None) -> ProfiledWindow`` (per rank)
+trace_path=None) -> ProfiledWindow`` (older: whole steps; ``comms_logger=True`` adds n_steps more steps
+with DeepSpeed's comms logger on and the profiler off, as a cross-check of counts and bytes).
 
-* ``step_fn(step: int)`` runs one full optimizer step (all micro-batches); its return value is ignored.
-* Runs ``n_steps`` steps under ``torch.profiler`` (CPU activity, plus CUDA when ``device`` is cuda),
-  each step wrapped in a ``scalestudy.profiled_step`` annotation and closed by a device sync so its
-  kernels fall inside it. The trace gives comm time, exposed comm and the per-collective breakdown
-  (``scalestudy.measure.comm.stats_from_trace``).
-* ``comms_logger=True`` additionally runs ``n_steps`` more steps with DeepSpeed's comms logger on (and
-  the profiler off, because the logger synchronises after every collective) and returns that breakdown in
-  ``comm_logger`` as a cross-check. Off by default: it costs steps and its times are not overlap-safe.
-* Call it only after the timed window: the profiler and logger perturb step times, and
-  ``step_time_s_profiled`` is for reference, never for throughput.
+Both annotate every collective with its group size while they run (``measure.comm_groups``), so the
+bus bandwidth of each call uses its own group. Call them only after the timed window: the profiler
+perturbs step times, and ``step_time_s_profiled`` is for reference, never for throughput.
 
-``reduce_across_ranks(pw, device) -> ProfiledWindow`` (collective: every rank must call it) combines
-ranks with one all_reduce: ``step_time_s_profiled`` is the max (the slowest rank sets the step, as in the
-timed window); ``comm_time_s``, ``comm_exposed_s``, ``comm_exposed_fraction`` and every per-kind count,
-bytes and time are means over ranks (the per-device figure the paper plots; each rank's fraction is in
-[0, 1], so the mean is too); bandwidths are recomputed from the mean bytes and times.
-
-Example (worker.py, after the timed window, before the final reduction)::
-
-    from scalestudy.measure.profiled_window import run_profiled_window, reduce_across_ranks
-    pw = run_profiled_window(lambda s: one_step(n_steps + s), cfg.steps.profile,
-                             world_size=dist.get_world_size(), device=device)
-    pw = reduce_across_ranks(pw, device)
-    summary.update(pw.summary())   # comm_time_s, comm_exposed_s, comm_exposed_fraction, comm, ...
+``reduce_across_ranks(pw, device) -> ProfiledWindow`` (collective) combines ranks with one all_reduce:
+``step_time_s_profiled`` is the max; comm times, the exposed fraction and every per-kind count, bytes,
+bus bytes and time are means over ranks; bandwidths are recomputed from the means.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import time
@@ -41,19 +45,33 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scalestudy.metrics import CollectiveStats
-from scalestudy.measure.comm import collective_stats, stats_from_comms_logger, stats_from_trace
+from scalestudy.measure.comm import (
+    collective_stats, extrapolate_per_step, stats_from_comms_logger, stats_from_trace,
+)
+from scalestudy.measure.comm_groups import annotate_group_sizes
 from scalestudy.measure.overlap import (
-    KINDS, STEP_ANNOTATION, TraceIntervals, clip, exposed_time, intervals_from_chrome_trace,
-    load_chrome_trace, measure,
+    BOUNDARY_ANNOTATION, KINDS, MICRO_ANNOTATION, STEP_ANNOTATION, TraceIntervals, clip, exposed_time,
+    intervals_from_chrome_trace, load_chrome_trace, measure,
 )
 
 NAN = float("nan")
+MICRO_BATCH_CAP = 8
+
+
+def profiled_micro_batches(grad_accum: int, cap: int = MICRO_BATCH_CAP) -> int:
+    """Micro-batches of one step the window traces: min(grad_accum, cap). ``cap`` >= 2, so a window
+    of a multi-micro-batch step always holds a plain micro-batch besides the boundary one."""
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    if cap < 2:
+        raise ValueError(f"cap must be >= 2 (a boundary micro-batch and a plain one), got {cap}")
+    return min(grad_accum, cap)
 
 
 @dataclass
 class ProfiledWindow:
-    n_steps: int
-    step_time_s_profiled: float  # mean wall time of a profiled step (perturbed by the profiler)
+    n_steps: int  # optimizer steps the window touched (wholly or their last micro-batches)
+    step_time_s_profiled: float  # per step (perturbed by the profiler; extrapolated)
     comm_time_s: float  # per step: time with >= 1 collective in flight
     comm_exposed_s: float  # per step: collective in flight and no compute running
     comm_exposed_fraction: float  # comm_exposed_s / step time (in the trace), in [0, 1]
@@ -61,6 +79,8 @@ class ProfiledWindow:
     comm_logger: dict[str, CollectiveStats] = field(default_factory=dict)  # per step, cross-check
     trace_device: str = "cpu"
     trace_path: str | None = None
+    grad_accum: int = 1  # micro-batches per step the figures are extrapolated to (1: whole steps)
+    micro_batches_profiled: int = 0  # per step; 0 when whole steps were profiled
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready fields named as in TrialResult (comm, comm_time_s, ...) plus extras."""
@@ -72,24 +92,28 @@ class ProfiledWindow:
             "comm_logger": {k: v.model_dump() for k, v in self.comm_logger.items()},
             "step_time_s_profiled": self.step_time_s_profiled,
             "steps_profiled": self.n_steps,
+            "micro_batches_profiled": self.micro_batches_profiled,
+            "profiled_grad_accum": self.grad_accum,
             "comm_trace_device": self.trace_device,
         }
 
 
-def window_figures(ti: TraceIntervals, n_steps: int) -> tuple[float, float, float]:
+def window_figures(ti: TraceIntervals, grad_accum: int = 1) -> tuple[float, float, float]:
     """(comm_time_s, comm_exposed_s, comm_exposed_fraction) per step from parsed intervals.
 
-    Only the annotated steps count; the fraction uses the steps' own span in the trace so that
-    numerator and denominator come from the same clock."""
-    if not ti.steps:
+    Only the annotated units count; each unit's comm and exposed time is taken inside it and the
+    fraction uses the units' own spans in the trace, so numerator and denominator share one clock."""
+    if not ti.units:
         return NAN, NAN, NAN
-    step_us = measure(ti.steps)
-    comm = [iv for s in ti.steps for iv in clip(ti.comm, s)]
-    compute = [iv for s in ti.steps for iv in clip(ti.compute, s)]
-    comm_us = measure(comm)
-    exposed_us = exposed_time(comm, compute)
-    frac = exposed_us / step_us if step_us > 0 else NAN
-    return comm_us * 1e-6 / n_steps, exposed_us * 1e-6 / n_steps, frac
+    comm_us, exposed_us, span_us = [], [], []
+    for unit in ti.units:
+        comm = clip(ti.comm, unit)
+        comm_us.append(measure(comm))
+        exposed_us.append(exposed_time(comm, clip(ti.compute, unit)))
+        span_us.append(unit[1] - unit[0])
+    comm_s, exposed_s, step_s = (extrapolate_per_step(v, ti.unit_boundary, grad_accum) * 1e-6
+                                 for v in (comm_us, exposed_us, span_us))
+    return comm_s, exposed_s, exposed_s / step_s if step_s > 0 else NAN
 
 
 def _sync(device: Any) -> None:
@@ -109,6 +133,93 @@ def _align_ranks(device: Any) -> None:
         dist.barrier()
 
 
+def _activities(device: Any) -> list:
+    from torch.profiler import ProfilerActivity
+
+    acts = [ProfilerActivity.CPU]
+    if getattr(device, "type", str(device)) == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    return acts
+
+
+def _timed_unit(name: str, fn: Callable[[], Any], device: Any) -> float:
+    """Run ``fn`` inside annotation ``name``, closed by a device sync; its wall seconds."""
+    from torch.profiler import record_function
+
+    t = time.perf_counter()
+    with record_function(name):
+        fn()
+        _sync(device)
+    return time.perf_counter() - t
+
+
+def _parse(prof: Any, trace_path: str | None) -> TraceIntervals:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = trace_path or os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        return intervals_from_chrome_trace(load_chrome_trace(path))
+
+
+def _window(ti: TraceIntervals, wall_s: list[float], boundary: list[bool], grad_accum: int,
+            n_steps: int, trace_path: str | None, micro: int) -> ProfiledWindow:
+    comm_s, exposed_s, frac = window_figures(ti, grad_accum)
+    return ProfiledWindow(
+        n_steps=n_steps,
+        step_time_s_profiled=extrapolate_per_step(wall_s, boundary, grad_accum),
+        comm_time_s=comm_s, comm_exposed_s=exposed_s, comm_exposed_fraction=frac,
+        comm=stats_from_trace(ti, grad_accum), trace_device=ti.device, trace_path=trace_path,
+        grad_accum=grad_accum, micro_batches_profiled=micro,
+    )
+
+
+def run_profiled_micro_batches(
+    micro_batch_fn: Callable[[int, int], Any],
+    grad_accum: int,
+    *,
+    cap: int = MICRO_BATCH_CAP,
+    device: Any = "cpu",
+    first_step: int = 0,
+    n_steps: int = 1,
+    trace_path: str | None = None,
+) -> ProfiledWindow:
+    """Profile the last ``profiled_micro_batches(grad_accum, cap)`` micro-batches of ``n_steps``
+    steps (see the module docstring). ``trace_path`` keeps the chrome trace (of a one-step window)."""
+    from torch.profiler import profile
+
+    if n_steps < 1:
+        raise ValueError("n_steps must be >= 1")
+    n = profiled_micro_batches(grad_accum, cap)
+    wall_s: list[float] = []
+    boundary: list[bool] = []
+    traces: list[TraceIntervals] = []
+    with annotate_group_sizes():
+        for step in range(first_step, first_step + n_steps):
+            for k in range(grad_accum - n):
+                micro_batch_fn(step, k)
+            _align_ranks(device)
+            # One profiler session per step: the unprofiled micro-batches stay out of the trace.
+            with profile(activities=_activities(device), record_shapes=True) as prof:
+                for k in range(grad_accum - n, grad_accum):
+                    last = k == grad_accum - 1
+                    name = BOUNDARY_ANNOTATION if last else MICRO_ANNOTATION
+                    wall_s.append(_timed_unit(name, lambda: micro_batch_fn(step, k), device))
+                    boundary.append(last)
+            traces.append(_parse(prof, trace_path if n_steps == 1 else None))
+    return _window(functools.reduce(_concat, traces), wall_s, boundary, grad_accum, n_steps,
+                   trace_path if n_steps == 1 else None, n)
+
+
+def _concat(a: TraceIntervals, b: TraceIntervals) -> TraceIntervals:
+    """Two parsed traces of one process (one clock) as one."""
+    kinds = set(a.comm_by_kind) | set(b.comm_by_kind)
+    return TraceIntervals(
+        device="gpu" if "gpu" in (a.device, b.device) else "cpu",
+        comm=a.comm + b.comm, compute=a.compute + b.compute,
+        comm_by_kind={k: a.comm_by_kind.get(k, []) + b.comm_by_kind.get(k, []) for k in kinds},
+        calls=a.calls + b.calls, units=a.units + b.units, unit_boundary=a.unit_boundary + b.unit_boundary,
+    )
+
+
 def run_profiled_window(
     step_fn: Callable[[int], Any],
     n_steps: int,
@@ -119,45 +230,22 @@ def run_profiled_window(
     comms_logger: bool = False,
     trace_path: str | None = None,
 ) -> ProfiledWindow:
-    """Profile ``n_steps`` steps (see the module docstring). ``trace_path`` keeps the chrome trace."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    """Profile ``n_steps`` whole steps (see the module docstring). ``world_size`` only converts the
+    comms logger's all_gather sizes; bus bandwidths use each call's own group."""
+    from torch.profiler import profile
 
     if n_steps < 1:
         raise ValueError("n_steps must be >= 1")
-    activities = [ProfilerActivity.CPU]
-    if getattr(device, "type", str(device)) == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-
-    step_times = []
+    wall_s = []
     _align_ranks(device)
     # record_shapes: collective sizes are read from the c10d ops' argument shapes.
-    with profile(activities=activities, record_shapes=True) as prof:
+    with annotate_group_sizes(), profile(activities=_activities(device), record_shapes=True) as prof:
         for k in range(n_steps):
-            t = time.perf_counter()
-            with record_function(STEP_ANNOTATION):
-                step_fn(first_step + k)
-                _sync(device)
-            step_times.append(time.perf_counter() - t)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = trace_path or os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        ti = intervals_from_chrome_trace(load_chrome_trace(path))
-    comm_s, exposed_s, frac = window_figures(ti, n_steps)
-
-    logged: dict[str, CollectiveStats] = {}
+            wall_s.append(_timed_unit(STEP_ANNOTATION, lambda: step_fn(first_step + k), device))
+    pw = _window(_parse(prof, trace_path), wall_s, [True] * n_steps, 1, n_steps, trace_path, 0)
     if comms_logger:
-        logged = _run_with_comms_logger(step_fn, n_steps, first_step + n_steps, world_size, device)
-    return ProfiledWindow(
-        n_steps=n_steps,
-        step_time_s_profiled=sum(step_times) / n_steps,
-        comm_time_s=comm_s,
-        comm_exposed_s=exposed_s,
-        comm_exposed_fraction=frac,
-        comm=stats_from_trace(ti, world_size, n_steps),
-        comm_logger=logged,
-        trace_device=ti.device,
-        trace_path=trace_path,
-    )
+        pw.comm_logger = _run_with_comms_logger(step_fn, n_steps, first_step + n_steps, world_size, device)
+    return pw
 
 
 def _run_with_comms_logger(step_fn, n_steps, first_step, world_size, device) -> dict[str, CollectiveStats]:
@@ -183,7 +271,7 @@ def _run_with_comms_logger(step_fn, n_steps, first_step, world_size, device) -> 
 
 # --- reduction across ranks -----------------------------------------------------------------------
 
-_STATS = ("count", "bytes", "time_s")
+_STATS = ("count", "bytes", "time_s", "bus_bytes")
 
 
 def _pack(pw: ProfiledWindow) -> list[float]:
@@ -195,20 +283,21 @@ def _pack(pw: ProfiledWindow) -> list[float]:
     return vals
 
 
-def _unpack(pw: ProfiledWindow, mean: list[float], step_max: float, world_size: int) -> ProfiledWindow:
+def _unpack(pw: ProfiledWindow, mean: list[float], step_max: float) -> ProfiledWindow:
     it = iter(mean[3:])
     dicts = []
     for _ in range(2):
         d = {}
         for kind in KINDS:
-            c, b, t = next(it), next(it), next(it)
+            c, b, t, bb = next(it), next(it), next(it), next(it)
             if c or b or t:
-                d[kind] = collective_stats(kind, c, b, t, world_size)
+                d[kind] = collective_stats(kind, c, b, t, bb)
         dicts.append(d)
     return ProfiledWindow(
         n_steps=pw.n_steps, step_time_s_profiled=step_max, comm_time_s=mean[0], comm_exposed_s=mean[1],
         comm_exposed_fraction=mean[2], comm=dicts[0], comm_logger=dicts[1],
-        trace_device=pw.trace_device, trace_path=pw.trace_path,
+        trace_device=pw.trace_device, trace_path=pw.trace_path, grad_accum=pw.grad_accum,
+        micro_batches_profiled=pw.micro_batches_profiled,
     )
 
 
@@ -221,9 +310,9 @@ def reduce_across_ranks(pw: ProfiledWindow, device: Any = "cpu", group: Any = No
         return pw
     n = dist.get_world_size(group)
     vals = torch.tensor(_pack(pw), dtype=torch.float64, device=device)
-    # NaN (no steps annotated) stays NaN through the sum, which is what we want: missing, not zero.
+    # NaN (no steps annotated, a call's group unknown) stays NaN through the sum: missing, not zero.
     dist.all_reduce(vals, op=dist.ReduceOp.SUM, group=group)
     step = torch.tensor([pw.step_time_s_profiled], dtype=torch.float64, device=device)
     dist.all_reduce(step, op=dist.ReduceOp.MAX, group=group)
     mean = (vals / n).cpu().tolist()
-    return _unpack(pw, mean, float(step.item()), n)
+    return _unpack(pw, mean, float(step.item()))
