@@ -8,7 +8,13 @@
   least one kernel was running: a busy-ness figure, not an occupancy or FLOP figure (MFU is that).
 
 Both: ``start()`` then ``stop() -> dict[str, float]`` (``{"cpu": fraction}`` or
-``{"gpu0": percent, ...}``); ``make_utilization(kind, nvml=None)`` picks.
+``{uuid: percent, ...}``), and ``pause()`` / ``resume()`` or ``with u.excluded():`` to leave work that is
+not a measured step (a checkpoint save) out of the figure, like the energy meter.
+
+Which devices: ``node_utilization(kind, node)`` gives the node's meter owner one NVML sampler over the
+trial's GPUs on that node (by UUID, see ``measure.devices``) and the other ranks ``NoUtilization``; on
+CPU every rank measures its own process (``CpuUtilization`` costs two getrusage calls, no thread).
+``make_utilization(kind, nvml=None)`` is the older entry point (every GPU of the machine).
 """
 
 from __future__ import annotations
@@ -16,7 +22,11 @@ from __future__ import annotations
 import resource
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+from scalestudy.measure.devices import NodeDevices, load_nvml, nvml_handles
 
 NAN = float("nan")
 
@@ -31,45 +41,103 @@ def cpu_utilization(cpu_s: float, wall_s: float) -> float:
     return cpu_s / wall_s if wall_s > 0 else NAN
 
 
-class CpuUtilization:
-    def __init__(self) -> None:
-        self._cpu0 = self._t0 = NAN
+class _Pausable:
+    def pause(self) -> None:
+        raise NotImplementedError
+
+    def resume(self) -> None:
+        raise NotImplementedError
+
+    @contextmanager
+    def excluded(self) -> Iterator[None]:
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
+
+
+class NoUtilization(_Pausable):
+    """A rank that does not sample its node: contributes no device to the cross-rank mean."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
 
     def start(self) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def stop(self) -> dict[str, float]:
+        return {}
+
+
+class CpuUtilization(_Pausable):
+    def __init__(self) -> None:
+        self._cpu0 = self._t0 = NAN
+        self._cpu_s = self._wall_s = 0.0
+
+    def start(self) -> None:
+        self._cpu_s = self._wall_s = 0.0
+        self.resume()
+
+    def pause(self) -> None:
+        self._cpu_s += cpu_seconds() - self._cpu0
+        self._wall_s += time.perf_counter() - self._t0
+
+    def resume(self) -> None:
         self._cpu0, self._t0 = cpu_seconds(), time.perf_counter()
 
     def stop(self) -> dict[str, float]:
-        return {"cpu": cpu_utilization(cpu_seconds() - self._cpu0, time.perf_counter() - self._t0)}
+        self.pause()
+        return {"cpu": cpu_utilization(self._cpu_s, self._wall_s)}
 
 
-class NvmlUtilization:
-    """Mean of NVML utilization samples per GPU. ``nvml`` is pynvml or a stand-in for tests."""
+class NvmlUtilization(_Pausable):
+    """Mean of NVML utilization samples per GPU. ``nvml`` is pynvml or a stand-in for tests;
+    ``device_uuids`` the GPUs to sample (else ``device_indices`` in NVML numbering, else all)."""
 
     def __init__(self, nvml: Any = None, device_indices: list[int] | None = None,
-                 interval_s: float = 0.1) -> None:
-        if nvml is None:
-            import pynvml as nvml
-        self.nvml = nvml
-        nvml.nvmlInit()
-        indices = list(range(nvml.nvmlDeviceGetCount())) if device_indices is None else device_indices
-        self.handles = {f"gpu{i}": nvml.nvmlDeviceGetHandleByIndex(i) for i in indices}
+                 interval_s: float = 0.1, device_uuids: list[str] | None = None) -> None:
+        self.nvml = nvml = load_nvml(nvml)
+        if device_uuids is not None:
+            self.handles = nvml_handles(nvml, device_uuids)
+        else:
+            indices = list(range(nvml.nvmlDeviceGetCount())) if device_indices is None else device_indices
+            self.handles = {f"gpu{i}": nvml.nvmlDeviceGetHandleByIndex(i) for i in indices}
         self.interval_s = interval_s
         self._samples: dict[str, list[float]] = {}
+        self._active = threading.Event()
+        self._lock = threading.Lock()  # pause() waits for a round in progress: none straddles it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _run(self) -> None:
         while True:
-            for name, h in self.handles.items():
-                self._samples[name].append(float(self.nvml.nvmlDeviceGetUtilizationRates(h).gpu))
+            with self._lock:
+                if self._active.is_set():
+                    for name, h in self.handles.items():
+                        self._samples[name].append(float(self.nvml.nvmlDeviceGetUtilizationRates(h).gpu))
             if self._stop.wait(self.interval_s):
                 break
 
     def start(self) -> None:
         self._samples = {n: [] for n in self.handles}
         self._stop.clear()
+        self._active.set()
         self._thread = threading.Thread(target=self._run, name="nvml-util", daemon=True)
         self._thread.start()
+
+    def pause(self) -> None:
+        with self._lock:
+            self._active.clear()
+
+    def resume(self) -> None:
+        self._active.set()
 
     def stop(self) -> dict[str, float]:
         self._stop.set()
@@ -79,13 +147,31 @@ class NvmlUtilization:
         return {n: sum(s) / len(s) if s else NAN for n, s in self._samples.items()}
 
 
-def make_utilization(kind: str, nvml: Any = None):
+def make_utilization(kind: str, nvml: Any = None, device_uuids: list[str] | None = None):
     """"gpu" -> NvmlUtilization (CpuUtilization if NVML is unavailable), "cpu" -> CpuUtilization."""
     if kind == "gpu":
         try:
-            return NvmlUtilization(nvml)
+            return NvmlUtilization(nvml, device_uuids=device_uuids)
         except Exception:  # noqa: BLE001  no NVML: report the process's CPU use rather than nothing
             return CpuUtilization()
     if kind == "cpu":
         return CpuUtilization()
     raise ValueError(f"unknown utilization kind {kind!r}; use gpu or cpu")
+
+
+def node_utilization(kind: str, node: NodeDevices, nvml: Any = None):
+    """This rank's sampler (see the module docstring). On GPU without NVML (or without a CUDA device
+    on the node's ranks) the owner gets a NoUtilization whose reason says why: the figure is then NaN,
+    not the CPU use of one process standing in for a GPU figure."""
+    if kind == "cpu":
+        return CpuUtilization()
+    if kind != "gpu":
+        raise ValueError(f"unknown utilization kind {kind!r}; use gpu or cpu")
+    if not node.is_owner:
+        return NoUtilization(f"rank {node.rank} is not its node's sampler (rank {node.owner_rank} is)")
+    if not node.uuids:
+        return NoUtilization("no CUDA device on this node's ranks")
+    try:
+        return NvmlUtilization(nvml, device_uuids=node.uuids)
+    except Exception as e:  # noqa: BLE001  no driver, no library, unknown UUID
+        return NoUtilization(f"NVML unavailable ({type(e).__name__}: {e})")
