@@ -66,3 +66,19 @@ def test_check_memory_reason():
     check_memory(_cfg(zero_stage=3))  # ~31 GiB on an 80 GiB device: fine
     with pytest.raises(InfeasibleTrial, match=r"needs 1\d\d\.\d GiB per device, has 80 GiB"):
         check_memory(_cfg(zero_stage=0))
+
+
+def test_check_memory_keeps_five_percent_free():
+    from scalestudy.perfmodel.memory import DEVICE_MEMORY_FREE_FRACTION, usable_memory_gib
+
+    assert DEVICE_MEMORY_FREE_FRACTION == 0.05 and usable_memory_gib(80) == pytest.approx(76.0)
+    cfg = _cfg(zero_stage=3)
+    need = memory_breakdown(cfg).total_gib
+    # a device with 2% to spare is too small: the trial needs 5% of it free
+    tight = cfg.model_copy(update={"hardware_profile": cfg.hardware_profile.model_copy(
+        update={"hbm_gib": need / 0.98})})
+    with pytest.raises(InfeasibleTrial, match="5% is kept free"):
+        check_memory(tight)
+    roomy = cfg.model_copy(update={"hardware_profile": cfg.hardware_profile.model_copy(
+        update={"hbm_gib": need / 0.94})})
+    check_memory(roomy)
