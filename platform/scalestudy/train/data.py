@@ -29,3 +29,35 @@ def micro_batch_slice(
     """Rows of the global batch for one dp rank at one gradient-accumulation micro-step."""
     first = (micro_step * dp + dp_rank) * micro_batch
     return batch[first : first + micro_batch]
+
+
+def rank_micro_batches(step: int, *, global_batch_size: int, seq_len: int, vocab_size: int, seed: int,
+                       grad_accum: int, dp_rank: int, dp: int, micro_batch: int) -> list[torch.Tensor]:
+    """This dp rank's micro-batches of one step, in order, each a copy with its own storage (a slice
+    would keep the whole global batch alive)."""
+    batch = global_batch(step, global_batch_size, seq_len, vocab_size, seed)
+    return [micro_batch_slice(batch, k, dp_rank, dp, micro_batch).clone() for k in range(grad_accum)]
+
+
+def stage_on_device(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """Tensors moved to ``device`` ahead of the timed window, so the step timer holds no copy.
+
+    On GPU each tensor is pinned and copied with ``non_blocking=True``, then the copying stream is
+    synchronised once: the copies overlap each other, and when this returns they are on the device.
+    On CPU the tensors are returned as they are (there is no copy to stage)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return list(tensors)
+    staged = [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+    # The pinned sources must outlive the asynchronous copies: wait for them here, before the window.
+    torch.cuda.current_stream(device).synchronize()
+    return staged
+
+
+def stage_window(steps: range | list[int], device: torch.device | str,
+                 **batch_args) -> dict[int, list[torch.Tensor]]:
+    """Every micro-batch this rank trains on in ``steps`` (the timed window), generated and staged on
+    ``device`` before the window starts: ``{step: [micro-batch 0, 1, ...]}``. ``batch_args`` are
+    ``rank_micro_batches``' keywords. Device memory: steps x grad_accum x micro_batch x seq_len x 8
+    bytes (int64 ids), e.g. 20 steps x 256 x 1 x 4096 x 8 = 168 MB, counted in the window's peak."""
+    return {s: stage_on_device(rank_micro_batches(s, **batch_args), device) for s in steps}
