@@ -58,7 +58,8 @@ def simulate(cfg: TrialConfig, p: ModelParams | None = None) -> tuple[StepTime, 
     p = p or params_for(cfg.hardware_profile)
     ct = compute_times(cfg, p)
     comms = par.communication(cfg, p)
-    return step_time(ct, comms, cfg.grad_accum, cfg.pp, p), comms
+    z3 = par.zero3_phases(cfg, p, ct) if cfg.zero_stage == 3 and cfg.dp > 1 else None
+    return step_time(ct, comms, cfg.grad_accum, cfg.pp, p, z3), comms
 
 
 def predict(cfg: TrialConfig, hardware: HardwareProfile | None = None,
@@ -106,7 +107,9 @@ def predict(cfg: TrialConfig, hardware: HardwareProfile | None = None,
         tokens_per_j_estimated=pw.tokens_per_j,
         missing=dict(_NOT_MODELLED),
         extra={"energy_window_steps": cfg.steps.measure,
+               # GPU-only, like power_w_estimated; the node's other power is named apart.
                "total_power_w_estimated": pw.total_power_w,
+               M.NODE_OVERHEAD_POWER_W_ESTIMATED: pw.node_overhead_w_per_device,
                "memory_gib": {"params": mem.params_gib, "grads": mem.grads_gib,
                               "optimizer": mem.optimizer_gib, "activations": mem.activations_gib,
                               "overhead": mem.overhead_gib}},
