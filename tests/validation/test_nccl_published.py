@@ -56,5 +56,6 @@ def test_ring_latency_grows_with_ranks_and_tree_with_log_nodes():
     small = 64 * 1024
     t = [net.collective_time("all_gather", small, net.Group.of(n, 1, 8), hw, p) for n in (64, 512, 4096)]
     assert t[0] < t[1] < t[2] and t[2] / t[1] > 6  # ~linear in ranks
-    ar = [net.collective_time("all_reduce", small, net.Group.of(n, 1, 8), hw, p) for n in (64, 512, 4096)]
+    ar = [net.collective_time("all_reduce", small, net.Group.of(n, 1, 8), hw, p)
+          for n in (64, 512, 4096)]
     assert ar[2] / ar[1] < 2  # tree: logarithmic in nodes

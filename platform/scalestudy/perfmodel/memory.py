@@ -36,6 +36,7 @@ The caching allocator's fragmentation is NOT modelled: it varies with the alloca
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from scalestudy.perfmodel import zero3
@@ -67,6 +68,7 @@ def state_bytes_per_param(precision: Precision) -> tuple[int, int, int]:
     return 2, 2, 12
 
 
+@functools.lru_cache(maxsize=4096)
 def params_per_device(dims: ModelDims, tp: int, pp: int) -> float:
     """Parameters held by the largest pipeline stage on one tp rank (before ZeRO sharding)."""
     if pp == 1:

@@ -100,7 +100,7 @@ def link_rates(g: Group, hw: HardwareProfile | _Links) -> tuple[float, float]:
     return hw.nvlink_gbps_per_gpu * 1e9, g.k * hw.network_gbps_per_gpu * 1e9
 
 
-def bus_bandwidth(g: Group, hw: HardwareProfile | _Links, p: ModelParams) -> float:
+def bus_bandwidth(g: Group, hw: HardwareProfile | _Links, p: ModelParams | _NetParams) -> float:
     """Achievable bytes/s of the ring's bottleneck, per rank (see the module doc)."""
     nvlink, net = link_rates(g, hw)
     intra = nvlink * p.nvlink_efficiency
@@ -138,7 +138,7 @@ def _proto_bw(i: int, bus: float, g: Group, op: str) -> float:
     return bus * 0.92 if i == 1 else bus
 
 
-def _ring_latency_s(op: str, g: Group, i: int, p: ModelParams) -> float:
+def _ring_latency_s(op: str, g: Group, i: int, p: _NetParams) -> float:
     steps = (2 if op == ALL_REDUCE else 1) * (g.n - 1)
     intra = NVLINK_HOP_US["ring"][i] * 1e-6
     if g.m == 1:
@@ -149,7 +149,7 @@ def _ring_latency_s(op: str, g: Group, i: int, p: ModelParams) -> float:
     return BASE_US["ring"][i] * 1e-6 + steps * lockstep
 
 
-def _tree_time_s(size_bytes: float, g: Group, bus: float, p: ModelParams) -> float:
+def _tree_time_s(size_bytes: float, g: Group, bus: float, p: _NetParams) -> float:
     best = math.inf
     for i in range(3):
         lat = (BASE_US["tree"][i] + 2 * ((g.k - 1) * NVLINK_HOP_US["tree"][i]
@@ -168,13 +168,26 @@ def collective_time(op: str, size_bytes: float, g: Group, hw: HardwareProfile,
     if g.m == 1 and isinstance(curve, list) and curve:
         return factor(op, g.n) * size_bytes / (_interp(curve, size_bytes) * 1e9)
     # A pure function of these numbers: memoised (a study prices the same calls many times).
-    return _cost(op, float(size_bytes), g, hw.nvlink_gbps_per_gpu, hw.network_gbps_per_gpu, p)
+    return _cost(op, float(size_bytes), g.n, g.k, g.m, hw.nvlink_gbps_per_gpu,
+                 hw.network_gbps_per_gpu, p.nvlink_efficiency, p.network_efficiency,
+                 p.latency_scale, p.net_overhead_s)
+
+
+@dataclass(frozen=True)
+class _NetParams:
+    """The ModelParams fields a collective's cost depends on."""
+
+    nvlink_efficiency: float
+    network_efficiency: float
+    latency_scale: float
+    net_overhead_s: float
 
 
 @functools.lru_cache(maxsize=65536)
-def _cost(op: str, size_bytes: float, g: Group, nvlink_gbps: float, net_gbps: float,
-          p: ModelParams) -> float:
-    hw = _Links(nvlink_gbps, net_gbps)
+def _cost(op: str, size_bytes: float, n: int, k: int, m: int, nvlink_gbps: float, net_gbps: float,
+          nvlink_eff: float, net_eff: float, latency_scale: float, net_overhead_s: float) -> float:
+    g, hw = Group(n, k, m), _Links(nvlink_gbps, net_gbps)
+    p = _NetParams(nvlink_eff, net_eff, latency_scale, net_overhead_s)
     if op == SEND_RECV:
         link = (hw.nvlink_gbps_per_gpu * p.nvlink_efficiency if g.m == 1
                 else hw.network_gbps_per_gpu * p.network_efficiency) * 1e9

@@ -160,7 +160,7 @@ def _plan_of(dims: ModelDims, tp: int, pp: int) -> _Zero3Plan:
         head = 0.0  # the embedding weight is still gathered when the tied head runs
     emb_again = emb if 2 * (blocks + emb) > z3.MAX_REUSE_DISTANCE else 0.0
     keep = z3.retained_blocks(sum(groups), head, layers)
-    reduced = blocks + emb + (0.0 if tied else head)
+    reduced = params_per_device(dims, tp, pp)  # every gradient, persistent parameters' too
     return _Zero3Plan(groups, layers, emb, head, emb_again, keep, reduced)
 
 
@@ -227,8 +227,8 @@ def zero3_phases(cfg: TrialConfig, p: ModelParams, ct: ComputeTimes) -> Zero3Pha
     # Reductions: amortised per block when the model fills several buckets; otherwise one bucket,
     # flushed when the backward ends (stage3's gradient epilogue).
     many = plan.reduced > z3.REDUCE_BUCKET
-    rs_block = per_elem * block if many else 0.0
-    rs_end = per_elem * (plan.reduced - layers * block) if many else per_elem * plan.reduced
+    rs_block = per_elem * plan.reduced / layers if many else 0.0  # persistent ones ride along
+    rs_end = 0.0 if many else per_elem * plan.reduced
 
     def bwd_block(regather: bool) -> tuple[z3.Unit, ...]:
         if cfg.activation_checkpointing:  # recompute gathers; the backward then reuses them

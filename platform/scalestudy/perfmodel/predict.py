@@ -7,6 +7,8 @@ Feasibility first (the memory model); then compute (compute.py), the communicati
 
 from __future__ import annotations
 
+import functools
+
 from scalestudy import metrics as M
 from scalestudy.metrics import CollectiveStats, Status, TrialResult
 from scalestudy.perfmodel import parallelism as par
@@ -16,7 +18,7 @@ from scalestudy.perfmodel.memory import memory_breakdown
 from scalestudy.perfmodel.overlap import StepTime, step_time
 from scalestudy.perfmodel.params import ModelParams, params_for
 from scalestudy.perfmodel.power import estimate_power
-from scalestudy.spec.catalog import HardwareProfile
+from scalestudy.spec.catalog import HardwareProfile, ModelDims
 from scalestudy.spec.errors import InfeasibleTrial
 from scalestudy.spec.study import PlannedTrial, TrialConfig
 
@@ -33,6 +35,11 @@ _NOT_MODELLED = {
     M.TIME_TO_FIRST_STEP_S: "simulated trial",
     M.STEP_TIME_P90_S: "the model predicts one step time, no distribution",
 }
+
+
+@functools.lru_cache(maxsize=4096)
+def _flops_per_token(dims: ModelDims, seq_len: int, recompute: bool) -> tuple[float, float]:
+    return model_flops_per_token(dims, seq_len), hardware_flops_per_token(dims, seq_len, recompute)
 
 
 def _busbw_factor(kind: str, n: int) -> float:
@@ -79,8 +86,7 @@ def predict(cfg: TrialConfig, hardware: HardwareProfile | None = None,
     tokens_s = cfg.tokens_per_step / st.step_s
     per_device = tokens_s / cfg.world_size
     peak = cfg.hardware_profile.peak_flops(cfg.precision)
-    mflops = model_flops_per_token(cfg.model_dims, cfg.seq_len)
-    hflops = hardware_flops_per_token(cfg.model_dims, cfg.seq_len, cfg.activation_checkpointing)
+    mflops, hflops = _flops_per_token(cfg.model_dims, cfg.seq_len, cfg.activation_checkpointing)
     pw = estimate_power(cfg, st, p)
     return TrialResult(
         **base,
