@@ -31,3 +31,14 @@ def test_fsdp_numbers_come_from_the_frame():
 def test_a_placeholder_of_an_unswept_study_is_an_error():
     with pytest.raises(KeyError, match="mp_70b_best"):
         render("{mp_70b_best}", {})
+
+
+def test_report_says_modelled_energy_is_not_validated():
+    from scalestudy_analysis.html import render as render_html
+
+    df = _frame("fsdp_scaling")
+    text = render_html("fsdp_scaling", df, [], spec_text=None, spec_source=None, versions={},
+                       data_source="a test")
+    assert "modelled, not validated" in text
+    assert "node_overhead_power_w_estimated" in text
+    assert df["node_overhead_power_w_estimated"].notna().all()  # the separate, named estimate
