@@ -150,7 +150,8 @@ def power_columns(df: pd.DataFrame) -> list[tuple[str, str, str]]:
     those with data only: the two are never mixed into one number."""
     out = []
     for power, tpj, suffix in (("total_power_w", "tokens_per_j", ""),
-                               ("total_power_w_estimated", "tokens_per_j_estimated", ", modelled")):
+                               ("total_power_w_estimated", "tokens_per_j_estimated",
+                                ", modelled (not validated)")):
         if power in df and completed(df)[power].notna().any():
             out.append((power, tpj, suffix))
     if not out:

@@ -253,7 +253,7 @@ def pareto_frontier(df: pd.DataFrame) -> Figure:
     ax.annotate(trial_label(top), (top["power"] / div, top[M.TOKENS_PER_S]), fontsize=7,
                 textcoords="offset points", xytext=(-10, 6), ha="right")
     ax.set(xscale="log", yscale="log", title="Throughput vs power (all completed trials)",
-           xlabel=f"total power ({unit})", ylabel="tokens/s")
+           xlabel=f"total GPU power ({unit})", ylabel="tokens/s")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return fig

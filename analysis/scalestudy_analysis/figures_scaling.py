@@ -169,8 +169,9 @@ def step_time_breakdown(df: pd.DataFrame) -> Figure:
 
 
 def power_scaling(df: pd.DataFrame) -> Figure:
-    """Total power (kW) and tokens per joule vs world size: power grows with the devices even where
-    throughput stops doing so. Measured and modelled energy are separate series."""
+    """Total GPU power (kW) and tokens per joule vs world size: power grows with the devices even
+    where throughput stops doing so. Measured (NVML, GPU-only) and modelled (GPU-only, not
+    validated) energy are separate series."""
     kinds = power_columns(df)
     data = finite(df, M.TOKENS_PER_S)
     sizes = need_values(data, "world_size")
@@ -188,7 +189,7 @@ def power_scaling(df: pd.DataFrame) -> Figure:
     if not ax_p.lines:
         raise FigureSkipped("no completed trial has both throughput and power")
     ax_p.set_yscale("log")
-    ax_p.set(title="Total power of the devices", xlabel="world size (devices)", ylabel=unit)
+    ax_p.set(title="Total GPU power", xlabel="world size (devices)", ylabel=unit)
     ax_e.set(title="Energy efficiency", xlabel="world size (devices)", ylabel="tokens per joule")
     ax_e.set_ylim(bottom=0)
     for ax in (ax_p, ax_e):

@@ -23,6 +23,13 @@ TABLE_COLUMNS = (
     "tokens_per_j_estimated", "loss_first", "loss_last", "wall_time_s", "reason",
 )
 
+# Said wherever modelled energy is shown (issue 15): no measurement has validated the power model yet.
+MODELLED_ENERGY_NOTE = (
+    "energy marked modelled (power_w_estimated, tokens_per_j_estimated and the 'modelled' series) "
+    "is the performance model's estimate of the GPUs' own power, modelled, not validated: no "
+    "measured trial has been compared with it yet; the rest of each node (CPUs, NICs, fans) is the "
+    "separate estimate node_overhead_power_w_estimated")
+
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;
  max-width:1200px;padding:0 1em;color:#222;background:#fff}
@@ -131,6 +138,8 @@ def render(study: str, df: pd.DataFrame, panels: Iterable[Panel], *, spec_text: 
             "experiments/ with this name, none given).</p>")
     figures = "\n".join(figure_html(p) for p in drawn)
     notes_html = "".join(f"<p class='meta'>Note: {html.escape(n)}.</p>" for n in notes)
+    if "power_w_estimated" in df and df["power_w_estimated"].notna().any():
+        notes_html += f"<p class='meta'>Note: {html.escape(MODELLED_ENERGY_NOTE)}.</p>"
     skipped = "".join(f"<li>{html.escape(p.title)}: {html.escape(p.note or '')}</li>"
                       for p in panels if not p.drawn)
     skipped_html = (f"<h3>Figures this study cannot draw</h3><ul class='skip'>{skipped}</ul>"

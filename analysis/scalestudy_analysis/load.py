@@ -33,7 +33,7 @@ CONFIG_KEYS = ("model", "hardware", "world_size", "tp", "pp", "zero_stage", "mic
                "global_batch", "seq_len", "precision", "activation_checkpointing")
 # Breakdown metrics the performance model may report, as TrialResult fields or inside `extra`;
 # promoted to columns when present so the breakdown figure can use them.
-OPTIONAL_METRICS = ("compute_time_s", "bubble_time_s")
+OPTIONAL_METRICS = ("compute_time_s", "bubble_time_s", M.NODE_OVERHEAD_POWER_W_ESTIMATED)
 
 
 class StudyNotFound(LookupError):
@@ -71,7 +71,8 @@ def tidy(df: pd.DataFrame) -> pd.DataFrame:
     """Normalise dtypes and add the derived columns every figure relies on.
 
     Float metrics stay NaN when missing (never 0); `source` says measured or predicted; total power
-    is per-device power times devices, kept apart for measured and modelled power.
+    is per-device GPU power times devices, kept apart for measured (NVML) and modelled power; the
+    node's non-GPU power is the separate modelled column node_overhead_power_w_estimated.
     """
     df = df.copy().reset_index(drop=True)
     for name in FLOAT_FIELDS:
@@ -99,7 +100,7 @@ def tidy(df: pd.DataFrame) -> pd.DataFrame:
     df["source"] = df["backend"].map(lambda b: SOURCE_OF_BACKEND.get(str(b), str(b)))
     df["total_power_w"] = df[M.POWER_W] * df["world_size"]
     df["total_power_w_estimated"] = df[M.POWER_W_ESTIMATED] * df["world_size"]
-    # The model's own total (node overhead of partly filled nodes included) beats our product.
+    # The model's own total (GPU-only, as power_w_estimated) where the result carries it.
     model_total = pd.to_numeric(pd.Series([e.get("total_power_w_estimated") for e in df["extra"]],
                                           index=df.index, dtype=object), errors="coerce")
     df["total_power_w_estimated"] = model_total.fillna(df["total_power_w_estimated"])

@@ -152,9 +152,9 @@ def power_scaling(df: pd.DataFrame) -> list[str]:
     *_, t0, t1 = _ends(rows, "world_size", M.TOKENS_PER_S)
     *_, e0, e1 = _ends(rows, "world_size", tpj)
     w0, w1 = int(w0), int(w1)
-    kind = "modelled " if suffix else ""
+    kind = " (modelled, not validated)" if suffix else ""
     return [
-        f"From {w0} to {devices(w1)} {kind}total power grows {p1 / p0:.3g}x ({fmt_power(p0)} to "
+        f"From {w0} to {devices(w1)} total GPU power{kind} grows {p1 / p0:.3g}x ({fmt_power(p0)} to "
         f"{fmt_power(p1)}) while global throughput grows {t1 / t0:.3g}x{_label(label)}.",
         f"Tokens per joule {'rise' if e1 >= e0 else 'fall'} by {abs(e1 / e0 - 1):.0%} "
         f"({fmt_num(e0)} to {fmt_num(e1)} tokens/J).",
@@ -257,12 +257,14 @@ def pareto_frontier(df: pd.DataFrame) -> list[str]:
     top = front.iloc[-1]
     tpj = front[M.TOKENS_PER_S] / front["power"]
     eff = front.loc[tpj.idxmax()]
+    modelled = (front["power_kind"] == "modelled").any()
     return [
         f"{len(front)} of {len(pts)} trials lie on the throughput-power frontier (no other trial "
         "is faster at no more power).",
         f"The fastest, {trial_label(top, wide)}, reaches {fmt_num(top[M.TOKENS_PER_S])} tokens/s at "
         f"{fmt_power(top['power'])}; the most energy-efficient frontier point, "
-        f"{trial_label(eff, wide)}, delivers {fmt_num(tpj.max())} tokens/J.",
+        f"{trial_label(eff, wide)}, delivers {fmt_num(tpj.max())} tokens/J"
+        + (" (GPU power modelled, not validated)." if modelled else " (GPU power measured)."),
     ]
 
 

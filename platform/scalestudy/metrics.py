@@ -50,8 +50,11 @@ POWER_W = "power_w"
 ENERGY_J = "energy_j"
 ENERGY_PER_TOKEN_J = "energy_per_token_j"
 TOKENS_PER_J = "tokens_per_j"
-# ... and modelled (never mixed with the measured ones)
+# ... and modelled (never mixed with the measured ones). Modelled, not validated. power_w_estimated is
+# GPU-only, like NVML's measured power_w; the node's other power (CPUs, NICs, fans, PSU loss) is a
+# separate estimate per device, in a result's `extra` under NODE_OVERHEAD_POWER_W_ESTIMATED.
 POWER_W_ESTIMATED = "power_w_estimated"
+NODE_OVERHEAD_POWER_W_ESTIMATED = "node_overhead_power_w_estimated"
 ENERGY_J_ESTIMATED = "energy_j_estimated"
 ENERGY_PER_TOKEN_J_ESTIMATED = "energy_per_token_j_estimated"
 TOKENS_PER_J_ESTIMATED = "tokens_per_j_estimated"

@@ -74,7 +74,7 @@ def test_power_sentences_use_measured_power():
                 64: dict(power_w=300.0, tokens_per_s=32000.0, tokens_per_j=32000.0 / 19200)},
                power=False)
     first, second = W.power_scaling(df)
-    assert first == ("From 8 to 64 devices total power grows 8x (2.4 kW to 19.2 kW) while "
+    assert first == ("From 8 to 64 devices total GPU power grows 8x (2.4 kW to 19.2 kW) while "
                      "global throughput grows 4x (measured).")
     assert second == "Tokens per joule fall by 50% (3.33 to 1.67 tokens/J)."
 

@@ -68,13 +68,24 @@ ADAM_BYTES_PER_PARAM = {Precision.fp32: 28.0, Precision.bf16: 36.0, Precision.fp
 
 @dataclass(frozen=True)
 class ComputeTimes:
-    """Seconds on one device; per micro-batch except optimizer_s (per optimizer step)."""
+    """Seconds on one device; per micro-batch except optimizer_s (per optimizer step).
+
+    The per-block figures split forward/backward for the ZeRO-3 schedule (zero3.py): forward_s =
+    stage_layers * block_forward_s + the rest (embedding, final norm, LM head, loss); likewise
+    backward. flops and hbm_bytes are what the device executes and streams per micro-batch (causal
+    fused attention counted as the half it computes), the floors the invariants hold the step to."""
 
     forward_s: float
     backward_s: float
     recompute_s: float
     optimizer_s: float
     stage_layers: int
+    block_forward_s: float = 0.0
+    block_backward_s: float = 0.0
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
+    optimizer_hbm_bytes: float = 0.0
+    peak_rate: float = 0.0  # the fastest FLOP/s any kernel of this device reaches
 
     @property
     def micro_batch_s(self) -> float:
@@ -109,7 +120,8 @@ def _nearest_scaled(rows: list[list[float]], shape: tuple[float, ...], work) -> 
 
 
 class _Device:
-    """Rates of one device at one precision, resolved once per prediction."""
+    """Rates of one device at one precision, resolved once per prediction. Counts the FLOPs it is
+    asked to execute and the bytes it streams through HBM (the floors of invariants)."""
 
     def __init__(self, hw: HardwareProfile, precision: Precision, p: ModelParams):
         self.peak = hw.peak_flops(precision) * p.gemm_efficiency
@@ -121,18 +133,24 @@ class _Device:
         self.curve = sorted(curve) if isinstance(curve, list) and curve else None
         self.attention_rows = _rows(hw, f"attention_s_{precision.value}")
         self.loss_rows = _rows(hw, f"cross_entropy_s_{precision.value}")
+        self.best = self.peak
         if self.curve:
             # The measured curve already includes what efficiency factors stand for.
-            best = max(c[1] for c in self.curve) * 1e12
-            self.attn = best * p.attention_efficiency
+            self.best = max(self.peak, max(c[1] for c in self.curve) * 1e12)
+            self.attn = max(c[1] for c in self.curve) * 1e12 * p.attention_efficiency
+        self.flops = 0.0
+        self.moved = 0.0
 
     def gemm(self, m: float, k: float, n: float) -> float:
         flops = 2.0 * m * k * n
         rate = _curve_rate(self.curve, flops) if self.curve else self.peak
-        mem = (m * k + k * n + m * n) * self.bytes / self.hbm
-        return max(flops / rate, mem)
+        moved = (m * k + k * n + m * n) * self.bytes
+        self.flops += flops
+        self.moved += moved
+        return max(flops / rate, moved / self.hbm)
 
     def stream(self, elements: float) -> float:
+        self.moved += elements * self.bytes
         return elements * self.bytes / self.hbm
 
     def loss(self, tokens: float, vocab: float) -> tuple[float, float]:
@@ -181,28 +199,46 @@ def _layer_stream(d: _Device, dims: ModelDims, tokens: float, tp: int) -> float:
     return d.stream(elements)
 
 
+def _attention(d: _Device, cfg: TrialConfig, p: ModelParams,
+               tokens: float) -> tuple[float, float, float, float]:
+    """(forward s, backward s, forward FLOPs executed, backward/forward FLOPs) of one block's
+    attention scores and values (see the module doc)."""
+    dims, tp, s = cfg.model_dims, cfg.tp, cfg.seq_len
+    causal_flops = 0.5 * 4.0 * tokens * s * dims.hidden_size / tp
+    if p.fused_attention and d.attention_rows:
+        shape = (cfg.micro_batch * dims.num_heads / tp, s, dims.head_dim)
+        fwd, bwd = _nearest_scaled(d.attention_rows, shape, lambda bh, q, hd: bh * q * q * hd)
+        return fwd, bwd, causal_flops, 2.5
+    if p.fused_attention:
+        # The fused backward recomputes QK^T: 2.5x the forward. A fused kernel's fixed cost per tile
+        # row amortises over the keys (FA2: 155 -> 189 TFLOP/s on A100 from 2k to 8k tokens).
+        rate = d.attn * s / (s + p.attention_half_seq)
+        return causal_flops / rate, 2.5 * causal_flops / rate, causal_flops, 2.5
+    full_flops = 2 * causal_flops
+    scores = tokens * s * dims.num_heads / tp
+    fwd = full_flops / d.peak + d.stream(scores * SCORE_PASSES)
+    d.stream(scores * SCORE_PASSES)  # the backward's score traffic, counted for the HBM floor
+    return fwd, 2.0 * fwd, full_flops, 2.0
+
+
 def compute_times(cfg: TrialConfig, p: ModelParams) -> ComputeTimes:
     dims, tp = cfg.model_dims, cfg.tp
     d = _Device(cfg.hardware_profile, cfg.precision, p)
-    s, tokens = cfg.seq_len, float(cfg.seq_len * cfg.micro_batch)
+    tokens = float(cfg.seq_len * cfg.micro_batch)
     layers = dims.num_layers // cfg.pp
 
     gemm_f = _layer_gemms(d, dims, tokens, tp)
     stream_f = _layer_stream(d, dims, tokens, tp)
-    if p.fused_attention and d.attention_rows:
-        shape = (cfg.micro_batch * dims.num_heads / tp, s, dims.head_dim)
-        attn_f, attn_b = _nearest_scaled(d.attention_rows, shape, lambda bh, q, hd: bh * q * q * hd)
-    elif p.fused_attention:
-        causal_flops = 0.5 * 4.0 * tokens * s * dims.hidden_size / tp
-        attn_f = causal_flops / d.attn
-        attn_b = 2.5 * attn_f
-    else:
-        full_flops = 4.0 * tokens * s * dims.hidden_size / tp
-        scores = tokens * s * dims.num_heads / tp
-        attn_f = full_flops / d.peak + d.stream(scores * SCORE_PASSES)
-        attn_b = 2.0 * attn_f
+    block_flops, block_moved = d.flops, d.moved  # one block's forward
+    attn_f, attn_b, attn_flops, attn_bwd = _attention(d, cfg, p, tokens)
+    attn_moved = d.moved - block_moved
+    d.flops = d.moved = 0.0
     head_gemm = d.gemm(tokens, dims.hidden_size, dims.vocab_size / tp)
     loss_f, loss_b = d.loss(tokens, dims.vocab_size / tp)
+    fwds = 2 if cfg.activation_checkpointing else 1  # the recompute runs the forward again
+    flops = (layers * ((fwds + 2) * block_flops + (fwds + attn_bwd) * attn_flops)
+             + 3 * d.flops)  # LM head: forward + its two backward GEMMs
+    moved = layers * ((fwds + 2) * block_moved + attn_moved) + 3 * d.moved
 
     layer_f = gemm_f + stream_f + attn_f + FORWARD_OPS_PER_LAYER * d.op
     layer_b = 2 * gemm_f + 2 * stream_f + attn_b + BACKWARD_OPS_PER_LAYER * d.op
@@ -212,16 +248,22 @@ def compute_times(cfg: TrialConfig, p: ModelParams) -> ComputeTimes:
     # The parts above inside a real step (see params.py). The ZeRO-3 hook and optimizer figures below
     # were measured inside an engine step already, so in_step_slowdown does not apply to them.
     k = p.in_step_slowdown
-    fwd, bwd, recompute = fwd * k, bwd * k, recompute * k
+    fwd, bwd, recompute, layer_f, layer_b = (x * k for x in (fwd, bwd, recompute, layer_f, layer_b))
     if cfg.zero_stage == 3 and p.zero3_module_overhead_s:
         hooks = layers * MODULES_PER_LAYER[dims.architecture] + MODULES_OUTSIDE_LAYERS[dims.architecture]
         fwd += hooks * p.zero3_module_overhead_s
         bwd += hooks * p.zero3_module_overhead_s
+        layer_f += MODULES_PER_LAYER[dims.architecture] * p.zero3_module_overhead_s
+        layer_b += MODULES_PER_LAYER[dims.architecture] * p.zero3_module_overhead_s
     if min(cfg.world_size, cfg.hardware_profile.gpus_per_node) > 1:
         shared = p.shared_node_slowdown  # every device of the node busy at once
-        fwd, bwd, recompute = fwd * shared, bwd * shared, recompute * shared
+        fwd, bwd, recompute, layer_f, layer_b = (
+            x * shared for x in (fwd, bwd, recompute, layer_f, layer_b))
     held = params_per_device(dims, tp, cfg.pp) / (cfg.dp if cfg.zero_stage >= 1 else 1)
     per_param = (ADAM_BYTES_PER_PARAM[cfg.precision] / d.hbm if p.optimizer_s_per_param is None
                  else p.optimizer_s_per_param)
     optimizer = held * per_param + p.step_overhead_s
-    return ComputeTimes(fwd, bwd, recompute, optimizer, layers)
+    return ComputeTimes(fwd, bwd, recompute, optimizer, layers, block_forward_s=layer_f,
+                        block_backward_s=layer_b, flops=flops, hbm_bytes=moved,
+                        optimizer_hbm_bytes=held * ADAM_BYTES_PER_PARAM[cfg.precision],
+                        peak_rate=d.best)

@@ -7,6 +7,10 @@ Working in log space makes every trial's relative error count the same and keeps
 positive; the bounds are the physical ranges of ModelParams (an efficiency never exceeds 1, a
 slowdown is at least 1). A study of one shape cannot tell a per-step cost from a factor on compute:
 expect one of in_step_slowdown and step_overhead_s at its bound there.
+
+Published rows (tests/validation): `fit_rows` fits shared parameters over rows that each carry their
+own profile and settings (attention kernel, interconnect), and `leave_one_group_out` refits without
+each source group so every calibration row is scored by a fit that never saw its source.
 """
 
 from __future__ import annotations
@@ -86,3 +90,30 @@ def fit(cfgs: list[TrialConfig], measured: list[float], hw: HardwareProfile,
         predicted_before=[tokens_per_s(c, base) for c in cfgs],
         predicted_after=[tokens_per_s(c, after) for c in cfgs], profile=profile,
     )
+
+
+def fit_rows(cfgs: list[TrialConfig], measured: list[float], bases: list[ModelParams],
+             names: tuple[str, ...]) -> dict[str, float]:
+    """Values of `names` shared by all rows that minimise the squared log error of tokens/s per
+    device; each row keeps its own profile (cfg.hardware_profile) and base parameters."""
+    from scipy.optimize import least_squares
+
+    if not cfgs:
+        return {}
+    lo = np.log([_BOUNDS[n][0] for n in names])
+    hi = np.log([_BOUNDS[n][1] for n in names])
+    x0 = np.clip(np.log([getattr(bases[0], n) for n in names]), lo, hi)
+    log_meas = np.log(np.asarray(measured, dtype=float))
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        upd = {n: float(math.exp(v)) for n, v in zip(names, x)}
+        pred = [tokens_per_s(c, b.model_copy(update=upd)) / c.world_size for c, b in zip(cfgs, bases)]
+        return np.log(pred) - log_meas
+
+    sol = least_squares(residuals, x0, bounds=(lo - 1e-12, hi + 1e-12))
+    return {n: float(math.exp(v)) for n, v in zip(names, sol.x)}
+
+
+def leave_one_group_out(groups: list[str], fit_without) -> dict[str, dict[str, float]]:
+    """group -> the fit made without that group's rows (`fit_without(group)` returns it)."""
+    return {g: fit_without(g) for g in sorted(set(groups))}

@@ -29,14 +29,17 @@ Models", eq. 2 and section 4.1, 16-bit activations), bytes per transformer layer
 Fixed overhead: on a GPU, the CUDA context, cuBLAS workspaces and NCCL buffers take about 1 GiB before
 any tensor exists (measured ~0.5-0.8 GiB context on A100/H100 plus NCCL's 4 MiB x channels x peers);
 on CPU, the worker process itself (torch + DeepSpeed imported) is about 0.3 GiB of RSS. ZeRO-3 also
-holds the gathered weights of the current and the prefetched layer (2 layers, 16-bit, /tp).
+holds gathered weights: the module running plus what the prefetcher keeps in flight, at most
+stage3_max_live_parameters beyond it (zero3.py), and never more than two blocks (16-bit, /tp).
 The caching allocator's fragmentation is NOT modelled: it varies with the allocation pattern.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+from scalestudy.perfmodel import zero3
 from scalestudy.spec.catalog import ModelDims, Precision
 from scalestudy.spec.errors import InfeasibleTrial
 from scalestudy.spec.study import TrialConfig
@@ -65,6 +68,7 @@ def state_bytes_per_param(precision: Precision) -> tuple[int, int, int]:
     return 2, 2, 12
 
 
+@functools.lru_cache(maxsize=4096)
 def params_per_device(dims: ModelDims, tp: int, pp: int) -> float:
     """Parameters held by the largest pipeline stage on one tp rank (before ZeRO sharding)."""
     if pp == 1:
@@ -115,7 +119,9 @@ def memory_breakdown(cfg: TrialConfig, fused_attention: bool = True) -> MemoryBr
     params = n * w_b / (dp if z >= 3 else 1)
     overhead = GPU_OVERHEAD_BYTES if cfg.hardware_profile.kind == "gpu" else CPU_OVERHEAD_BYTES
     if z >= 3:
-        overhead += 2 * cfg.model_dims.layer_params() / cfg.tp * w_b  # current + prefetched layer
+        block = cfg.model_dims.layer_params() / cfg.tp
+        biggest = max(zero3.block_weights(cfg.model_dims, cfg.tp), default=0.0)
+        overhead += min(2 * block, biggest + zero3.MAX_LIVE) * w_b  # gathered, in flight
     acts = activation_bytes(cfg, fused_attention)
     parts = [x / GIB for x in (params, grads, optimizer, acts, overhead)]
     return MemoryBreakdown(*parts, total_gib=sum(parts))

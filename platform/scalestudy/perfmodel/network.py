@@ -1,29 +1,42 @@
-"""Alpha-beta cost of collectives on a two-level topology (a fast link inside a node, a network between).
+"""Collectives as NCCL runs them on a two-level topology (NVLink/NVSwitch inside a node, a network
+between nodes): alpha-beta costs with NCCL's own constants, and the physical floor of each call.
 
-This follows NCCL's own tuning model (src/graph/tuning.cc, ncclTopoTuneModel), which NCCL uses to pick
-an algorithm and protocol per call. For n ranks in the group, k per node, m = n / k nodes, and S bytes
-as nccl-tests counts them (the buffer of all_reduce, the full output of all_gather, the full input of
-reduce_scatter):
-  time = latency + factor * S / (busbw * protocol bandwidth factor), factor = 2(n-1)/n for all_reduce
-  and (n-1)/n for all_gather / reduce_scatter (the data each rank sends in a ring);
-  ring latency  = base + (steps - inter_steps) * intra_hop + inter_steps * inter_hop, with
-                  steps = n-1 (x2 for all_reduce) and inter_steps = m-1 (x2): every ring step waits
-                  for its slowest hop, so the latency grows with the number of ranks and of nodes;
-  tree latency  = base + 2 * [(k-1) * intra_hop + log2(m) * inter_hop] (all_reduce only; NCCL's
-                  double binary tree between nodes, a chain inside);
-  protocols LL / LL128 / Simple trade latency for bandwidth (table below, NCCL's figures in us);
-  the fastest (algorithm, protocol) pair is taken, as NCCL does.
-  send_recv     = base + hop + S / link (one NIC, or the NVLink port, of one GPU).
-Bus bandwidth: inside one node the NVLink/NVSwitch rate per GPU; across nodes the ring is limited by
-the network, where the k GPUs of a node in the group each drive their own NIC (DGX: one NIC per GPU),
-so busbw = min(nvlink, k * network per GPU), each at its achievable efficiency. The latency terms make
-the effective bus bandwidth a function of message size (small messages are latency-bound).
-A profile measured by `scalestudy calibrate` carries `busbw_gbps_<op>` curves ([bytes, GB/s] pairs at
-its world size): single-node groups then use the measured curve instead of the formula.
+A group of n ranks, k per node, over m = n / k nodes; S bytes as nccl-tests counts them (the buffer
+of all_reduce, the full output of all_gather, the full input of reduce_scatter).
+
+Bandwidth (beta). Each rank moves factor * S over the ring, factor = 2(n-1)/n for all_reduce and
+(n-1)/n for all_gather / reduce_scatter (nccl-tests doc/PERFORMANCE.md). Inside one node the
+bottleneck is the GPU's NVLink port. Across nodes NCCL lays one ring per channel through all k GPUs
+of a node over NVLink and crosses the network once per node per ring, the channels spread over the
+node's NICs (NCCL's ring graphs "NET/0 GPU/0 .. GPU/3 NET/0", nccl #601), so the per-rank traffic
+leaves the node through the k NICs together: busbw = min(NVLink, k x NIC). Published multi-node
+nccl-tests reach exactly that node aggregate, not one GPU's NIC: DGX A100 8 x 200 Gb/s -> 192 GB/s
+all-reduce busbw (NVIDIA, nccl #812); 4 x 200 Gb/s -> 86-96 GB/s (nccl-tests #175, #119, #100);
+5 H100 nodes with 4 x 400 Gb/s -> 190 GB/s (nccl #1368). Point-to-point (pipeline send/recv) cannot
+aggregate NICs: one NIC (sjeaugey, nccl-tests #267). Each link runs at its achievable fraction
+(nvlink_efficiency, network_efficiency).
+
+Latency (alpha). NCCL's tuning model (src/graph/tuning.cc, 2.19+ constants below) prices a ring as
+base + nsteps * hop latency, nsteps = n-1 (x2 for all_reduce): linear in the ranks. Inside one node
+every hop is an NVLink hop. Across nodes the ring advances in lock-step, so every step waits for the
+slowest hop of the ring -- the network hop, with NCCL's per-step network post overhead (x3 for the
+Simple protocol, tuning.cc getNetOverhead: 1 us on Intel hosts, 2 us on AMD): "This formula is
+correct, but network_latency should be called max_latency" (sjeaugey on ring latency = 2(n-1) x
+latency, nccl-tests #123). Measured: an all_gather of 2 GB over 256 H100s (32 nodes, 16 channels)
+took ~10.7 ms at 200 GB/s busbw against ~5.5 ms of bandwidth at the node aggregate (nccl #1218):
+~19 us per ring step, what 14 us + 3 x 1 us gives. Every protocol's step waits for that network
+round, so across nodes LL and LL128 keep only their NVLink advantage inside the node.
+Tree (all_reduce only) costs base + 2 * ((k-1) * intra + log2(m) * inter) at 0.92 of the ring's
+bus bandwidth (tuning.cc), which NCCL prefers for mid-size all_reduces over many nodes.
+Protocols LL / LL128 / Simple trade latency for bandwidth (LL moves 8 data bytes per 16, capped near
+20 GB/s per node pair across nodes; LL128 120 of 128); the fastest (algorithm, protocol) is taken.
+A profile measured by `scalestudy calibrate` carries `busbw_gbps_<op>` curves ([bytes, GB/s] at its
+world size): single-node groups then use the measured curve instead.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -53,6 +66,14 @@ class Group:
         return Group(n, per_node, math.ceil(n / per_node))
 
 
+@dataclass(frozen=True)
+class _Links:
+    """The two link rates of a profile, all that the cost of a collective depends on."""
+
+    nvlink_gbps_per_gpu: float
+    network_gbps_per_gpu: float
+
+
 def _interp(curve: list[list[float]], x: float) -> float:
     """Log-log interpolation of a measured [bytes, GB/s] curve, clamped at its ends."""
     pts = sorted(curve)
@@ -67,29 +88,75 @@ def _interp(curve: list[list[float]], x: float) -> float:
     return pts[-1][1]
 
 
-def bus_bandwidth(g: Group, hw: HardwareProfile, p: ModelParams) -> float:
-    """Bytes/s of the ring's bottleneck link, per rank."""
-    intra = hw.nvlink_gbps_per_gpu * 1e9 * p.nvlink_efficiency
+def factor(op: str, n: int) -> float:
+    """Bytes each rank moves per byte of S (nccl-tests' busbw factor; 1 for send/recv)."""
+    if op == SEND_RECV or n <= 1:
+        return 1.0
+    return (2.0 if op == ALL_REDUCE else 1.0) * (n - 1) / n
+
+
+def link_rates(g: Group, hw: HardwareProfile | _Links) -> tuple[float, float]:
+    """(NVLink bytes/s per GPU, network bytes/s available to the group on one node), line rates."""
+    return hw.nvlink_gbps_per_gpu * 1e9, g.k * hw.network_gbps_per_gpu * 1e9
+
+
+def bus_bandwidth(g: Group, hw: HardwareProfile | _Links, p: ModelParams | _NetParams) -> float:
+    """Achievable bytes/s of the ring's bottleneck, per rank (see the module doc)."""
+    nvlink, net = link_rates(g, hw)
+    intra = nvlink * p.nvlink_efficiency
+    return intra if g.m == 1 else min(intra, net * p.network_efficiency)
+
+
+def link_floor_s(op: str, size_bytes: float, g: Group, hw: HardwareProfile) -> float:
+    """No algorithm moves one collective faster: each rank's bytes over the slowest link the ring
+    crosses at its line rate (NVLink in a node, the node's NICs across nodes; one NIC for
+    send/recv across nodes)."""
+    if g.n <= 1 or size_bytes <= 0:
+        return 0.0
+    nvlink, net = link_rates(g, hw)
+    if op == SEND_RECV:
+        return size_bytes / (nvlink if g.m == 1 else hw.network_gbps_per_gpu * 1e9)
+    return factor(op, g.n) * size_bytes / (nvlink if g.m == 1 else min(nvlink, net))
+
+
+# NCCL tuning.cc (2.19+): base latency per algorithm and protocol, hop latency per link kind, us.
+# Order (LL, LL128, Simple).
+BASE_US = {"ring": (6.6, 14.0, 8.4), "tree": (6.8, 14.0, 0.0)}
+NVLINK_HOP_US = {"ring": (0.6, 1.9, 3.4), "tree": (0.6, 1.25, 28.0)}
+NET_HOP_US = {"ring": (2.7, 4.0, 14.0), "tree": (5.0, 8.5, 28.0)}
+# Bandwidth relative to the ring's bus bandwidth: LL sends 8 data bytes in 16 (NCCL x1/4 across
+# nodes, x1/3 inside), LL128 120 of 128; tree x0.92 (tuning.cc "Various model refinements").
+LL_NET_CAP_BPS = 20e9  # llMaxBws across > 2 nodes (19.0 AMD, 20.4 Intel host): LL tops out here
+PROTOCOLS = ("LL", "LL128", "Simple")
+
+
+def _proto_bw(i: int, bus: float, g: Group, op: str) -> float:
+    if i == 0:
+        if g.m == 1:
+            return bus / (4.0 if op == ALL_REDUCE else 3.0)
+        return min(bus / 4.0, LL_NET_CAP_BPS)
+    return bus * 0.92 if i == 1 else bus
+
+
+def _ring_latency_s(op: str, g: Group, i: int, p: _NetParams) -> float:
+    steps = (2 if op == ALL_REDUCE else 1) * (g.n - 1)
+    intra = NVLINK_HOP_US["ring"][i] * 1e-6
     if g.m == 1:
-        return intra
-    return min(intra, g.k * hw.network_gbps_per_gpu * 1e9 * p.network_efficiency)
+        return BASE_US["ring"][i] * 1e-6 + steps * intra
+    overhead = p.net_overhead_s * (3.0 if PROTOCOLS[i] == "Simple" else 1.0)
+    lockstep = max(intra, NET_HOP_US["ring"][2] * 1e-6 + 3.0 * p.net_overhead_s,
+                   NET_HOP_US["ring"][i] * 1e-6 + overhead)
+    return BASE_US["ring"][i] * 1e-6 + steps * lockstep
 
 
-# protocol: (base latency, NVLink hop, network hop) in seconds, bandwidth factor (NCCL tuning.cc,
-# ring; LL moves 8 bytes per 16 on the wire and more per flag, LL128 120 of 128).
-PROTOCOLS = {
-    "LL": (6.6e-6, 0.47e-6, 2.7e-6, 0.25),
-    "LL128": (14.0e-6, 1.9e-6, 4.0e-6, 0.92),
-    "Simple": (8.4e-6, 3.4e-6, 9.6e-6, 1.0),
-}
-TREE_SIMPLE = (0.0, 28e-6, 50e-6, 0.9)  # per-chunk hop latencies of the tree with Simple protocol
-
-
-def _ring_latency(op: str, g: Group, proto: tuple[float, float, float, float]) -> float:
-    base, intra, inter = proto[:3]
-    mult = 2 if op == ALL_REDUCE else 1
-    steps, inter_steps = mult * (g.n - 1), mult * (g.m - 1)
-    return base + (steps - inter_steps) * intra + inter_steps * inter
+def _tree_time_s(size_bytes: float, g: Group, bus: float, p: _NetParams) -> float:
+    best = math.inf
+    for i in range(3):
+        lat = (BASE_US["tree"][i] + 2 * ((g.k - 1) * NVLINK_HOP_US["tree"][i]
+                                         + math.log2(g.m) * NET_HOP_US["tree"][i])) * 1e-6
+        bw = bus * 0.92 * (0.25 if i == 0 else 1.0)
+        best = min(best, p.latency_scale * lat + factor(ALL_REDUCE, g.n) * size_bytes / bw)
+    return best
 
 
 def collective_time(op: str, size_bytes: float, g: Group, hw: HardwareProfile,
@@ -97,23 +164,41 @@ def collective_time(op: str, size_bytes: float, g: Group, hw: HardwareProfile,
     """Seconds for one collective of `size_bytes` (nccl-tests convention) over group g."""
     if g.n <= 1 or size_bytes <= 0:
         return 0.0
-    scale = p.latency_scale
+    curve = hw.calibration.get(f"busbw_gbps_{op}")
+    if g.m == 1 and isinstance(curve, list) and curve:
+        return factor(op, g.n) * size_bytes / (_interp(curve, size_bytes) * 1e9)
+    # A pure function of these numbers: memoised (a study prices the same calls many times).
+    return _cost(op, float(size_bytes), g.n, g.k, g.m, hw.nvlink_gbps_per_gpu,
+                 hw.network_gbps_per_gpu, p.nvlink_efficiency, p.network_efficiency,
+                 p.latency_scale, p.net_overhead_s)
+
+
+@dataclass(frozen=True)
+class _NetParams:
+    """The ModelParams fields a collective's cost depends on."""
+
+    nvlink_efficiency: float
+    network_efficiency: float
+    latency_scale: float
+    net_overhead_s: float
+
+
+@functools.lru_cache(maxsize=65536)
+def _cost(op: str, size_bytes: float, n: int, k: int, m: int, nvlink_gbps: float, net_gbps: float,
+          nvlink_eff: float, net_eff: float, latency_scale: float, net_overhead_s: float) -> float:
+    g, hw = Group(n, k, m), _Links(nvlink_gbps, net_gbps)
+    p = _NetParams(nvlink_eff, net_eff, latency_scale, net_overhead_s)
     if op == SEND_RECV:
         link = (hw.nvlink_gbps_per_gpu * p.nvlink_efficiency if g.m == 1
                 else hw.network_gbps_per_gpu * p.network_efficiency) * 1e9
-        base, intra, inter, _ = PROTOCOLS["Simple"]
-        return size_bytes / link + scale * (base + (intra if g.m == 1 else inter))
-    factor = (2.0 if op == ALL_REDUCE else 1.0) * (g.n - 1) / g.n
-    curve = hw.calibration.get(f"busbw_gbps_{op}")
-    if g.m == 1 and isinstance(curve, list) and curve:
-        return factor * size_bytes / (_interp(curve, size_bytes) * 1e9)
-    wire = factor * size_bytes / bus_bandwidth(g, hw, p)
-    best = min(scale * _ring_latency(op, g, proto) + wire / proto[3]
-               for proto in PROTOCOLS.values())
+        hop = NVLINK_HOP_US["ring"][2] if g.m == 1 else NET_HOP_US["ring"][2]
+        return size_bytes / link + p.latency_scale * (BASE_US["ring"][2] + hop) * 1e-6
+    wire = factor(op, g.n) * size_bytes
+    bus = bus_bandwidth(g, hw, p)
+    best = min(p.latency_scale * _ring_latency_s(op, g, i, p) + wire / _proto_bw(i, bus, g, op)
+               for i in range(3))
     if op == ALL_REDUCE and g.m > 1:
-        base, intra, inter, bw = TREE_SIMPLE
-        tree = base + 2 * ((g.k - 1) * intra + math.log2(g.m) * inter)
-        best = min(best, scale * tree + wire / bw)
+        best = min(best, _tree_time_s(size_bytes, g, bus, p))
     return best
 
 
@@ -122,5 +207,4 @@ def busbw_gbps(op: str, size_bytes: float, g: Group, hw: HardwareProfile, p: Mod
     t = collective_time(op, size_bytes, g, hw, p)
     if t <= 0:
         return float("nan")
-    factor = 1.0 if op == SEND_RECV else (2.0 if op == ALL_REDUCE else 1.0) * (g.n - 1) / g.n
-    return factor * size_bytes / t / 1e9
+    return factor(op, g.n) * size_bytes / t / 1e9

@@ -1,7 +1,9 @@
 """Step time = compute + exposed communication + pipeline bubble.
 
 Algorithm, per micro-batch of one device (F forward, B backward incl. recomputation):
-  * Forward-phase communication (ZeRO-3 gathers) runs on its own stream while earlier layers compute.
+  * ZeRO-3: the wall time of each phase comes from DeepSpeed's schedule simulated module by module
+    (zero3.py, parallelism.zero3_phases): exposed = phase time - its compute.
+  * Otherwise forward-phase communication runs on its own stream while earlier layers compute.
     Exposed = max(first chunk, comm - F): the first unit's gather has nothing before it to hide
     behind, and what exceeds the window waits. Hidden communication still costs overlap_slowdown of
     its length in compute (its kernels take SMs and HBM bandwidth from the GEMMs it overlaps).
@@ -49,15 +51,20 @@ def _exposed(comms: list[par.Comm], phase: str, window_s: float) -> tuple[float,
 
 
 def step_time(ct: ComputeTimes, comms: list[par.Comm], grad_accum: int, pp: int,
-              p: ModelParams) -> StepTime:
+              p: ModelParams, z3: par.Zero3Phases | None = None) -> StepTime:
     m, slow = grad_accum, p.overlap_slowdown
-    # Per-micro-batch shares of the phases that repeat every micro-batch.
-    per_mb = [par.Comm(c.kind, c.phase, c.calls_per_step / m, c.bytes_per_call,
-                       c.time_per_call_s, c.chunk_s)
-              for c in comms if c.phase in (par.FORWARD, par.BACKWARD)]
     bwd_window = ct.backward_s + ct.recompute_s
-    exp_f, hid_f = _exposed(per_mb, par.FORWARD, ct.forward_s)
-    exp_b, hid_b = _exposed(per_mb, par.BACKWARD, bwd_window)
+    if z3 is not None:
+        exp_f = max(0.0, z3.forward_s - ct.forward_s)
+        exp_b = max(0.0, z3.backward_s - bwd_window)
+        hid_f, hid_b = z3.forward_comm_s - exp_f, z3.backward_comm_s - exp_b
+    else:
+        # Per-micro-batch shares of the phases that repeat every micro-batch.
+        per_mb = [par.Comm(c.kind, c.phase, c.calls_per_step / m, c.bytes_per_call,
+                           c.time_per_call_s, c.chunk_s)
+                  for c in comms if c.phase in (par.FORWARD, par.BACKWARD)]
+        exp_f, hid_f = _exposed(per_mb, par.FORWARD, ct.forward_s)
+        exp_b, hid_b = _exposed(per_mb, par.BACKWARD, bwd_window)
     blocking_mb = sum(c.time_s for c in comms if c.phase == par.BLOCKING) / m
     compute_mb = ct.micro_batch_s + slow * (hid_f + hid_b)
     slot = compute_mb + exp_f + exp_b + blocking_mb

@@ -7,15 +7,17 @@ neighbours are tp ranks apart, a dp group strides tp * pp ranks.
 Traffic (w = bytes of a 16-bit or fp32 weight/gradient, P = parameters held per tp rank and stage,
 m = gradient-accumulation micro-batches, T = tokens per micro-batch):
   * ZeRO-0/1 (DDP-like): one gradient all_reduce of P*w per step, in buckets (DeepSpeed's
-    reduce_bucket_size, 5e8 elements) during the LAST micro-batch's backward: all but the last bucket
-    can overlap. ZeRO-1 then all_gathers the updated 16-bit weights after the optimizer step (blocking);
-    ZeRO-0 needs nothing after the step.
+    reduce_bucket_size, 5e8 elements). ZeRO-1 (overlap_comm, as the trial's DeepSpeed config sets it)
+    reduces during the LAST micro-batch's backward: all but the last bucket can overlap; it then
+    all_gathers the updated 16-bit weights after the optimizer step (blocking). ZeRO-0 runs as
+    DeepSpeed's engine runs it: allreduce_gradients() once the last backward has returned, nothing
+    to hide it behind (engine.backward at the accumulation boundary).
   * ZeRO-2: gradients are reduce_scattered into their owner's partition during EVERY micro-batch's
     backward (DeepSpeed's partitioned-gradient path), plus the post-step all_gather of ZeRO-1.
-  * ZeRO-3: every FSDP unit (one transformer block; embedding and head as one more) is all_gathered
-    before its forward and again before its backward, and its gradients reduce_scattered after its
-    backward, for EVERY micro-batch: gradient accumulation multiplies ZeRO-3 traffic by m. No post-step
-    gather (weights stay sharded).
+  * ZeRO-3: DeepSpeed's per-module gathers and bucketed gradient reduce_scatters, every
+    micro-batch (zero3.py says which, how big and when): two gathers of nearly every weight and one
+    reduction per micro-batch, so gradient accumulation multiplies ZeRO-3 traffic by m. No
+    post-step gather (weights stay sharded).
   * TP (Megatron, no sequence parallelism): two all_reduces of T*h activations per block in forward
     (after attention and after the MLP) and two in backward, plus two more per block when checkpointed
     activations are recomputed. They sit on the critical path: nothing overlaps them.
@@ -25,13 +27,16 @@ m = gradient-accumulation micro-batches, T = tokens per micro-batch):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from scalestudy.perfmodel import network as net
+from scalestudy.perfmodel import zero3 as z3
+from scalestudy.perfmodel.compute import ComputeTimes
 from scalestudy.perfmodel.memory import params_per_device
 from scalestudy.perfmodel.params import ModelParams
-from scalestudy.spec.catalog import Precision
+from scalestudy.spec.catalog import ModelDims, Precision
 from scalestudy.spec.study import TrialConfig
 
 REDUCE_BUCKET_ELEMENTS = 5e8  # DeepSpeed's default reduce_bucket_size
@@ -52,6 +57,8 @@ class Comm:
     bytes_per_call: float
     time_per_call_s: float
     chunk_s: float  # the part no schedule can hide (first gather / last bucket)
+    group: str = "dp"  # dp | tp | pp: collectives of one group run one after another
+    floor_per_call_s: float = 0.0  # its bytes over the slowest link it crosses (network.link_floor_s)
 
     @property
     def time_s(self) -> float:
@@ -73,39 +80,38 @@ def communication(cfg: TrialConfig, p: ModelParams) -> list[Comm]:
     out: list[Comm] = []
 
     def add(kind: str, phase: str, calls: float, size: float, group: net.Group,
-            chunk_calls: float = 0.0) -> None:
+            chunk_calls: float = 0.0, name: str = "dp") -> None:
         t = net.collective_time(kind, size, group, hw, p)
         if calls > 0 and t > 0:
-            out.append(Comm(kind, phase, calls, size, t, chunk_calls * t))
+            floor = net.link_floor_s(kind, size, group, hw)
+            out.append(Comm(kind, phase, calls, size, t, chunk_calls * t, name, floor))
 
     if cfg.dp > 1:
         if cfg.zero_stage == 3:
-            unit = dims.layer_params() / cfg.tp * w
-            ends = (held - layers * dims.layer_params() / cfg.tp) * w  # embedding/head unit(s)
-            add(net.ALL_GATHER, FORWARD, m * layers, unit, dp_g, chunk_calls=1)
-            add(net.ALL_GATHER, BACKWARD, m * layers, unit, dp_g, chunk_calls=0)
-            add(net.REDUCE_SCATTER, BACKWARD, m * layers, unit, dp_g, chunk_calls=1)
-            add(net.ALL_GATHER, FORWARD, 2 * m, ends, dp_g, chunk_calls=0)
-            add(net.REDUCE_SCATTER, BACKWARD, m, ends, dp_g, chunk_calls=0)
+            for kind, phase, calls, size, secs in _zero3_calls(cfg, p, dp_g, w):
+                out.append(Comm(kind, phase, m * calls, size, secs, 0.0, "dp",
+                                net.link_floor_s(kind, size, dp_g, hw)))
         else:
             grad_bytes = held * w
             buckets = max(1, math.ceil(held / REDUCE_BUCKET_ELEMENTS))
             bucket = grad_bytes / buckets
             if cfg.zero_stage == 2:
                 add(net.REDUCE_SCATTER, BACKWARD, m * buckets, bucket, dp_g, chunk_calls=1)
-            else:
+            elif cfg.zero_stage == 1:
                 add(net.ALL_REDUCE, LAST_BACKWARD, buckets, bucket, dp_g, chunk_calls=1)
+            else:  # DeepSpeed's engine all-reduces ZeRO-0 gradients after the backward returns
+                add(net.ALL_REDUCE, AFTER_STEP, buckets, bucket, dp_g)
             if cfg.zero_stage >= 1:
                 add(net.ALL_GATHER, AFTER_STEP, 1, held * w, dp_g)
     if cfg.tp > 1:
         act = cfg.micro_batch * cfg.seq_len * dims.hidden_size * cfg.precision.bytes
         per_layer = 4 + (2 if cfg.activation_checkpointing else 0)
-        add(net.ALL_REDUCE, BLOCKING, m * layers * per_layer, act, tp_g)
+        add(net.ALL_REDUCE, BLOCKING, m * layers * per_layer, act, tp_g, name="tp")
     if cfg.pp > 1:
         act = cfg.micro_batch * cfg.seq_len * dims.hidden_size * cfg.precision.bytes / cfg.tp
         crosses = cfg.tp * cfg.pp > g  # some stage boundary leaves the node
         pair = net.Group(2, 1, 2) if crosses else net.Group(2, 2, 1)
-        add(net.SEND_RECV, BLOCKING, 2 * m, act, pair)
+        add(net.SEND_RECV, BLOCKING, 2 * m, act, pair, name="pp")
     return out
 
 
@@ -118,3 +124,130 @@ def by_kind(comms: list[Comm]) -> dict[str, tuple[float, float, float]]:
         a[1] += c.bytes
         a[2] += c.time_s
     return {k: (v[0], v[1], v[2]) for k, v in agg.items()}
+
+
+# ZeRO-3 ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Zero3Plan:
+    """What DeepSpeed gathers on this stage per micro-batch (elements per tp rank, see zero3.py)."""
+
+    groups: tuple[float, ...]  # one block's gather groups, in forward order
+    layers: int
+    emb: float        # embedding, gathered before the forward
+    head: float       # gathered before the LM head (a tied head gathers the embedding again)
+    emb_again: float  # embedding gathered again at the end of the backward
+    keep: int         # last blocks the backward reuses without gathering
+    reduced: float    # gradient elements reduce_scattered
+
+
+def _plan(cfg: TrialConfig) -> _Zero3Plan:
+    return _plan_of(cfg.model_dims, cfg.tp, cfg.pp)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_of(dims: ModelDims, tp: int, pp: int) -> _Zero3Plan:
+    layers = dims.num_layers // pp
+    groups = z3.gather_groups(z3.block_weights(dims, tp))
+    blocks = layers * sum(groups)
+    big = z3.PERSISTENCE_THRESHOLD
+    emb = dims.embedding_params() / tp
+    emb = emb if emb > big else 0.0  # the first stage holds the embedding (params_per_device)
+    tied = dims.lm_head_params() == 0
+    head = (dims.vocab_size * dims.hidden_size if tied else dims.lm_head_params()) / tp
+    head = head if head > big and pp == 1 else 0.0
+    if tied and blocks <= z3.MAX_REUSE_DISTANCE:
+        head = 0.0  # the embedding weight is still gathered when the tied head runs
+    emb_again = emb if 2 * (blocks + emb) > z3.MAX_REUSE_DISTANCE else 0.0
+    keep = z3.retained_blocks(sum(groups), head, layers)
+    reduced = params_per_device(dims, tp, pp)  # every gradient, persistent parameters' too
+    return _Zero3Plan(groups, layers, emb, head, emb_again, keep, reduced)
+
+
+def _bucket(plan: _Zero3Plan) -> float:
+    return min(z3.REDUCE_BUCKET, plan.reduced) or 1.0
+
+
+def _zero3_calls(cfg: TrialConfig, p: ModelParams, g: net.Group, w: int):
+    """(kind, phase, calls per micro-batch, bytes per call, seconds per call) of ZeRO-3's traffic,
+    grouped by call size (one gather per prefetch group, see zero3.py)."""
+    hw, plan = cfg.hardware_profile, _plan(cfg)
+    calls: dict[float, list[float]] = {}
+    for numel in plan.groups:
+        calls.setdefault(numel, [0.0, 0.0])[0] += plan.layers
+        calls[numel][1] += plan.layers - plan.keep
+    for numel, fwd, bwd in ((plan.emb, 1.0, 0.0), (plan.head, 1.0, 0.0), (plan.emb_again, 0.0, 1.0)):
+        if numel:
+            calls.setdefault(numel, [0.0, 0.0])[0] += fwd
+            calls[numel][1] += bwd
+    out = []
+    for numel, (fwd, bwd) in calls.items():
+        t = net.collective_time(net.ALL_GATHER, numel * w, g, hw, p)
+        out += [(net.ALL_GATHER, FORWARD, fwd, numel * w, t),
+                (net.ALL_GATHER, BACKWARD, bwd, numel * w, t)]
+    bucket = _bucket(plan)
+    t = net.collective_time(net.REDUCE_SCATTER, bucket * w, g, hw, p)
+    out.append((net.REDUCE_SCATTER, BACKWARD, plan.reduced / bucket, bucket * w, t))
+    return [c for c in out if c[2] > 0 and c[4] > 0]
+
+
+@dataclass(frozen=True)
+class Zero3Phases:
+    """One micro-batch of ZeRO-3 on one device: wall seconds of each phase (compute, and the gathers
+    and reductions the compute stream waits for) and the communication each phase issued."""
+
+    forward_s: float
+    backward_s: float
+    forward_comm_s: float
+    backward_comm_s: float
+
+
+def _units(cfg: TrialConfig, p: ModelParams, ct: ComputeTimes, plan: _Zero3Plan, w: int):
+    hw = cfg.hardware_profile
+    g = net.Group.of(cfg.dp, cfg.tp * cfg.pp, hw.gpus_per_node)
+
+    def gather(numel: float) -> float:
+        return net.collective_time(net.ALL_GATHER, numel * w, g, hw, p) if numel else 0.0
+
+    block = sum(plan.groups)
+    groups = plan.groups or (0.0,)
+    share = [n / block if block else 1.0 for n in groups]
+    fwd = tuple(z3.Unit(ct.block_forward_s * s, gather(n), n) for s, n in zip(share, groups))
+    bwd = tuple(z3.Unit(ct.block_backward_s * s, 0.0, n) for s, n in zip(share, groups))[::-1]
+    bucket = _bucket(plan)
+    per_elem = net.collective_time(net.REDUCE_SCATTER, bucket * w, g, hw, p) / bucket
+    return gather, fwd, bwd, per_elem
+
+
+def zero3_phases(cfg: TrialConfig, p: ModelParams, ct: ComputeTimes) -> Zero3Phases:
+    w = 4 if cfg.precision is Precision.fp32 else 2
+    plan = _plan(cfg)
+    gather, fwd, bwd, per_elem = _units(cfg, p, ct, plan, w)
+    layers, block = plan.layers, sum(plan.groups)
+    # Reductions: amortised per block when the model fills several buckets; otherwise one bucket,
+    # flushed when the backward ends (stage3's gradient epilogue).
+    many = plan.reduced > z3.REDUCE_BUCKET
+    rs_block = per_elem * plan.reduced / layers if many else 0.0  # persistent ones ride along
+    rs_end = 0.0 if many else per_elem * plan.reduced
+
+    def bwd_block(regather: bool) -> tuple[z3.Unit, ...]:
+        if cfg.activation_checkpointing:  # recompute gathers; the backward then reuses them
+            redo = tuple(z3.Unit(u.compute_s, u.gather_s if regather else 0.0, u.numel) for u in fwd)
+            back = bwd
+        else:
+            redo = ()
+            back = tuple(z3.Unit(u.compute_s, gather(u.numel) if regather else 0.0, u.numel)
+                         for u in bwd)
+        last = back[-1]
+        return redo + back[:-1] + (z3.Unit(last.compute_s, last.gather_s, last.numel, rs_block),)
+
+    out_f = max(0.0, ct.forward_s - layers * ct.block_forward_s)
+    out_b = max(0.0, ct.backward_s - layers * ct.block_backward_s)
+    forward = (((z3.Unit(0.0, gather(plan.emb), plan.emb),), 1), (fwd, layers),
+               ((z3.Unit(out_f, gather(plan.head), plan.head),), 1))
+    backward = (((z3.Unit(out_b, 0.0, plan.head),), 1), (bwd_block(False), plan.keep),
+                (bwd_block(True), layers - plan.keep),
+                ((z3.Unit(0.0, gather(plan.emb_again), plan.emb_again, rs_end),), 1))
+    f_s, f_comm, _ = z3.run_phase(forward, p.zero3_prefetch)
+    b_s, b_comm, _ = z3.run_phase(backward, p.zero3_prefetch)
+    return Zero3Phases(f_s, b_s, f_comm, b_comm)

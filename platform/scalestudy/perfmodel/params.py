@@ -27,6 +27,11 @@ class ModelParams(BaseModel):
     # Fused attention relative to a GEMM at the same precision (FlashAttention-2: ~70% of peak fwd on
     # A100, lower in backward; Dao 2023, fig. 4-6).
     attention_efficiency: float = Field(0.75, gt=0, le=1)
+    # Sequence length at which a fused attention kernel runs at half its asymptotic rate: its fixed
+    # cost per tile row amortises over the keys (FA2 causal, head dim 128: 155/182/189 TFLOP/s at
+    # 2k/4k/8k on A100, 265/294/308 on H100, Dao 2023 fig. 4(d)/7(d) -> ~600 tokens on both). 0:
+    # no such cost (CPU kernels, measured attention rows).
+    attention_half_seq: float = Field(0.0, ge=0)
     # The software stack's attention kernel: fused (FlashAttention, PyTorch SDPA; the default since
     # 2022) or materialised scores (Megatron-LM 2021: batched GEMMs around a fused softmax), whose
     # a*s*s score tensors cost HBM traffic and memory (see compute.py and memory.py).
@@ -59,18 +64,32 @@ class ModelParams(BaseModel):
     # bookkeeping beyond the all-gathers themselves. Hidden behind asynchronous kernel launches on a
     # GPU (0); on CPU eager it is serial work (calibrate: stage 3 against stage 0).
     zero3_module_overhead_s: float = Field(0.0, ge=0)
+    # ZeRO-3's trace-based parameter prefetch (zero3.py). DeepSpeed releases before mid-2021 skipped
+    # the prefetches (the step id ran one ahead of the recorded trace: DeepSpeed #1069, May 2021),
+    # so every gather waited for its module; a published row run on such a release says so.
+    zero3_prefetch: bool = True
     # Network ---------------------------------------------------------------------------------
-    # Achievable bus bandwidth / link rate for large messages (nccl-tests busbw: DGX A100 NVLink
-    # ~230 of 300 GB/s; HDR/NDR InfiniBand ~0.8-0.9 of line rate).
+    # Achievable bus bandwidth / link rate for large messages, nccl-tests busbw
+    # (tests/validation/data/nccl_published.yaml): NVLink: A100 all-reduce 230.8-232.5 of 300 GB/s
+    # (nccl #527, nccl-tests #175), H100 ring ~370 of 450 (sjeaugey, nccl-tests #212) -> 0.8.
+    # InfiniBand/RoCE across nodes: DGX A100 192 of 200 GB/s (NVIDIA, nccl #812), 4 x 400 Gb/s H100
+    # nodes 190 of 200 (nccl #1368), NDR 46-49 of 50 GB/s per NIC (nccl-tests #290, #267),
+    # 4 x HDR 86-96 of 100 (nccl-tests #175, #119) -> 0.92.
     nvlink_efficiency: float = Field(0.8, gt=0, le=1)
-    network_efficiency: float = Field(0.8, gt=0, le=1)
+    network_efficiency: float = Field(0.92, gt=0, le=1)
     # Multiplies the per-step latencies of NCCL's own tuning model (network.py: base, NVLink-hop and
     # network-hop latency per protocol); 1 = NCCL's published table.
     latency_scale: float = Field(1.0, gt=0)
+    # NCCL's per-step cost of posting a network send (tuning.cc getNetOverhead: 1 us on Intel hosts,
+    # 2 us on AMD hosts; x3 for the Simple protocol). Set per device in hardware.yaml by its host CPU.
+    net_overhead_s: float = Field(1e-6, ge=0)
     # Overlap ---------------------------------------------------------------------------------
     # Compute slowdown per second of hidden communication: NCCL kernels occupy SMs (its channels,
     # ~16-24 of 108-132 SMs) and HBM bandwidth while they overlap compute, so hiding is never free.
-    overlap_slowdown: float = Field(0.15, ge=0, le=1)
+    # Measured: compute overlapped with collectives runs 18.9% slower on average (up to 40%) on
+    # A100/H100 (Lee et al. 2025, arXiv 2507.03114); the overlapped compute lasts about as long as
+    # the collective it hides, so ~0.19 s per second hidden.
+    overlap_slowdown: float = Field(0.19, ge=0, le=1)
     # Power -------------------------------------------------------------------------------------
     # Power of a device that is only communicating or waiting, as a fraction of (TDP - idle).
     comm_power_fraction: float = Field(0.3, ge=0, le=1)
@@ -79,11 +98,21 @@ class ModelParams(BaseModel):
 FIELDS = tuple(ModelParams.model_fields)
 
 
+_BY_PROFILE: dict[int, tuple[HardwareProfile, ModelParams]] = {}
+
+
 def params_for(hw: HardwareProfile, **overrides: float | bool) -> ModelParams:
     """Defaults overridden by the profile's scalar calibration entries of the same name."""
+    if not overrides:  # the common call: one lookup per profile object (kept alive by the entry)
+        hit = _BY_PROFILE.get(id(hw))
+        if hit is not None and hit[0] is hw:
+            return hit[1]
     chosen = {k: v for k, v in hw.calibration.items() if k in FIELDS}
     chosen.update(overrides)
-    return _cached(json.dumps(chosen, sort_keys=True))
+    params = _cached(json.dumps(chosen, sort_keys=True))
+    if not overrides and len(_BY_PROFILE) < 1024:
+        _BY_PROFILE[id(hw)] = (hw, params)
+    return params
 
 
 @functools.lru_cache(maxsize=256)

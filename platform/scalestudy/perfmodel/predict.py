@@ -7,6 +7,8 @@ Feasibility first (the memory model); then compute (compute.py), the communicati
 
 from __future__ import annotations
 
+import functools
+
 from scalestudy import metrics as M
 from scalestudy.metrics import CollectiveStats, Status, TrialResult
 from scalestudy.perfmodel import parallelism as par
@@ -16,7 +18,7 @@ from scalestudy.perfmodel.memory import memory_breakdown
 from scalestudy.perfmodel.overlap import StepTime, step_time
 from scalestudy.perfmodel.params import ModelParams, params_for
 from scalestudy.perfmodel.power import estimate_power
-from scalestudy.spec.catalog import HardwareProfile
+from scalestudy.spec.catalog import HardwareProfile, ModelDims
 from scalestudy.spec.errors import InfeasibleTrial
 from scalestudy.spec.study import PlannedTrial, TrialConfig
 
@@ -33,6 +35,11 @@ _NOT_MODELLED = {
     M.TIME_TO_FIRST_STEP_S: "simulated trial",
     M.STEP_TIME_P90_S: "the model predicts one step time, no distribution",
 }
+
+
+@functools.lru_cache(maxsize=4096)
+def _flops_per_token(dims: ModelDims, seq_len: int, recompute: bool) -> tuple[float, float]:
+    return model_flops_per_token(dims, seq_len), hardware_flops_per_token(dims, seq_len, recompute)
 
 
 def _busbw_factor(kind: str, n: int) -> float:
@@ -58,7 +65,8 @@ def simulate(cfg: TrialConfig, p: ModelParams | None = None) -> tuple[StepTime, 
     p = p or params_for(cfg.hardware_profile)
     ct = compute_times(cfg, p)
     comms = par.communication(cfg, p)
-    return step_time(ct, comms, cfg.grad_accum, cfg.pp, p), comms
+    z3 = par.zero3_phases(cfg, p, ct) if cfg.zero_stage == 3 and cfg.dp > 1 else None
+    return step_time(ct, comms, cfg.grad_accum, cfg.pp, p, z3), comms
 
 
 def predict(cfg: TrialConfig, hardware: HardwareProfile | None = None,
@@ -78,8 +86,7 @@ def predict(cfg: TrialConfig, hardware: HardwareProfile | None = None,
     tokens_s = cfg.tokens_per_step / st.step_s
     per_device = tokens_s / cfg.world_size
     peak = cfg.hardware_profile.peak_flops(cfg.precision)
-    mflops = model_flops_per_token(cfg.model_dims, cfg.seq_len)
-    hflops = hardware_flops_per_token(cfg.model_dims, cfg.seq_len, cfg.activation_checkpointing)
+    mflops, hflops = _flops_per_token(cfg.model_dims, cfg.seq_len, cfg.activation_checkpointing)
     pw = estimate_power(cfg, st, p)
     return TrialResult(
         **base,
@@ -106,7 +113,9 @@ def predict(cfg: TrialConfig, hardware: HardwareProfile | None = None,
         tokens_per_j_estimated=pw.tokens_per_j,
         missing=dict(_NOT_MODELLED),
         extra={"energy_window_steps": cfg.steps.measure,
+               # GPU-only, like power_w_estimated; the node's other power is named apart.
                "total_power_w_estimated": pw.total_power_w,
+               M.NODE_OVERHEAD_POWER_W_ESTIMATED: pw.node_overhead_w_per_device,
                "memory_gib": {"params": mem.params_gib, "grads": mem.grads_gib,
                               "optimizer": mem.optimizer_gib, "activations": mem.activations_gib,
                               "overhead": mem.overhead_gib}},
