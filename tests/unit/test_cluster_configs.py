@@ -1,10 +1,9 @@
-"""Every file under cluster/ is checked here, offline, in about a second.
+"""Every file under cluster/ is checked here, offline, in seconds.
 
-Cluster-launcher YAMLs go through the same two steps `ray up` takes before it talks to a cloud: the
-raw file against the JSON schema shipped inside the installed ray package (ray/autoscaler/
-ray-schema.json), then Ray's prepare_config (merge with the provider's defaults) + validate_config.
-Broken copies must fail the same path, so the check is known to bite. KubeRay manifests have no
-schema in the ray package (their CRDs live in the operator), so they get a parse + structure check.
+Launcher YAMLs go through the two steps `ray up` takes before it calls a cloud: Ray's own JSON schema
+(ray/autoscaler/ray-schema.json), then prepare_config + validate_config; broken copies must fail the
+same path. Setup commands run in bash through Ray's own command wrapper. KubeRay manifests (no schema
+in the ray package) get a parse + structure check; the studies they name are loaded and validated.
 """
 
 from __future__ import annotations
@@ -12,27 +11,41 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shlex
+import subprocess
 from pathlib import Path
 
 import jsonschema
 import pytest
 import ray.autoscaler
 import yaml
+from ray.autoscaler._private.command_runner import _with_interactive
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.runtime_env import RuntimeEnv
+from typer.testing import CliRunner
+
+from scalestudy.cli import app
+from scalestudy.spec.load import load_spec
 
 REPO = Path(__file__).parents[2]
 CLUSTER = REPO / "cluster"
 KUBERAY = CLUSTER / "kuberay"
 SCHEMA = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
 
-# file -> (worker instance/machine type, EFA network cards; 0 where the cloud has no EFA)
+# file -> (worker instance/machine type, EFA network cards or 0, vCPUs, Ray accelerator type)
 LAUNCHER = {
-    "aws-a100.yaml": ("p4d.24xlarge", 4),
-    "aws-h100.yaml": ("p5.48xlarge", 32),
-    "gcp-h100.yaml": ("a3-highgpu-8g", 0),
+    "aws-a100.yaml": ("p4d.24xlarge", 4, 96, "A100"),
+    "aws-h100.yaml": ("p5.48xlarge", 32, 192, "H100"),
+    "gcp-h100.yaml": ("a3-highgpu-8g", 0, 208, "H100"),
 }
+EFA_CARDS = {instance: cards for instance, cards, _, _ in LAUNCHER.values() if cards}
+ACCELERATOR = {instance: accelerator for instance, _, _, accelerator in LAUNCHER.values()}
+# The hardware profile (platform/scalestudy/spec/hardware.yaml) of each accelerator the files provide.
+PROFILE = {"A100": "a100-40gb", "H100": "h100-80gb"}
 RUNTIME_ENV = CLUSTER / "runtime_env.yaml"
+OBJECT_STORE = re.compile(r"^(s3|gs)://[^/]+/\S*$")
+IMAGE_ROOT = "/home/ray/scalestudy/"  # where kuberay/Dockerfile copies the repo
+COMMAND_KEYS = ["setup_commands", "head_setup_commands", "head_start_ray_commands", "worker_start_ray_commands"]
 
 
 def load(path: Path):
@@ -66,35 +79,65 @@ def test_launcher_config_passes_rays_validation(name):
 
 
 @pytest.mark.parametrize("name", sorted(LAUNCHER))
-def test_launcher_cpu_head_and_gpu_workers_from_zero(name):
+def test_launcher_head_takes_no_trial_and_gpu_workers_declare_what_they_have(name):
     config = load(CLUSTER / name)
     head = config["available_node_types"][config["head_node_type"]]
-    assert head["resources"].get("GPU", 0) == 0 and head["resources"]["CPU"] == 0
-    assert head["max_workers"] == 0
-    instance, _ = LAUNCHER[name]
+    assert head["resources"] == {"CPU": 0, "GPU": 0} and head["max_workers"] == 0
+    instance, _, vcpus, accelerator = LAUNCHER[name]
     (worker,) = worker_types(config).values()
     node = worker["node_config"]
     assert node.get("InstanceType", node.get("machineType")) == instance
     assert worker["min_workers"] == 0
     assert worker["max_workers"] == config["max_workers"] > 0
-    assert worker["resources"]["GPU"] == 8
+    # What the autoscaler plans with must be what Ray detects on that node, accelerator included.
+    assert worker["resources"] == {"CPU": vcpus, "GPU": 8, f"accelerator_type:{accelerator}": 1}
 
 
-@pytest.mark.parametrize("name", [n for n, (_, cards) in LAUNCHER.items() if cards])
+@pytest.mark.parametrize("name", sorted(LAUNCHER))
+def test_launcher_uses_internal_ips_and_nothing_listens_in_public(name):
+    config = load(CLUSTER / name)
+    assert config["provider"]["use_internal_ips"] is True
+    for node_type in config["available_node_types"].values():
+        node = node_type["node_config"]
+        subnets = node.get("SubnetIds", []) + [n["SubnetId"] for n in node.get("NetworkInterfaces", [])]
+        assert all("PUBLIC" not in s for s in subnets)
+        assert not any(n.get("AssociatePublicIpAddress") for n in node.get("NetworkInterfaces", []))
+        assert not any(n.get("accessConfigs") for n in node.get("networkInterfaces", []))
+    # The dashboard's job API runs any command sent to it: the head's loopback only (SSH tunnel).
+    assert "--dashboard-host=127.0.0.1" in " ".join(config["head_start_ray_commands"])
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHER))
+def test_gpu_nodes_can_write_the_object_store_root(name):
+    # Ray gives its default instance profile / service account to the head only; workers write
+    # checkpoints to the s3:// or gs:// root themselves.
+    (worker,) = worker_types(load(CLUSTER / name)).values()
+    node = worker["node_config"]
+    if name.startswith("aws"):
+        assert node["IamInstanceProfile"]["Arn"].startswith("arn:aws:iam::")
+    else:
+        (account,) = node["serviceAccounts"]
+        assert account["email"] and "https://www.googleapis.com/auth/cloud-platform" in account["scopes"]
+
+
+@pytest.mark.parametrize("name", [n for n, spec in LAUNCHER.items() if spec[1]])
 def test_aws_workers_have_efa_on_every_network_card(name):
     config = load(CLUSTER / name)
-    _, cards = LAUNCHER[name]
+    _, cards, _, _ = LAUNCHER[name]
     (worker,) = worker_types(config).values()
     node = worker["node_config"]
     nics = node["NetworkInterfaces"]
     assert sorted(n["NetworkCardIndex"] for n in nics) == list(range(cards))
     primary = next(n for n in nics if n["NetworkCardIndex"] == 0)
     assert primary["DeviceIndex"] == 0 and primary["InterfaceType"] == "efa"
-    assert all(n["InterfaceType"] in ("efa", "efa-only") for n in nics)
+    assert all(n["DeviceIndex"] == 1 and n["InterfaceType"] in ("efa", "efa-only")
+               for n in nics if n["NetworkCardIndex"])
     # Ray's AWS bootstrap rejects subnets/groups at node level once interfaces are given.
     assert all(n["SubnetId"] and n["Groups"] for n in nics)
     assert not {"SubnetId", "SubnetIds", "SecurityGroupIds"} & set(node)
     assert node["Placement"]["GroupName"]
+    # The plugin NCCL loads must be on the raylet's library path.
+    assert "/opt/amazon/ofi-nccl/lib" in " ".join(config["setup_commands"])
 
 
 def test_gcp_gpu_nodes_terminate_on_host_maintenance():
@@ -102,10 +145,53 @@ def test_gcp_gpu_nodes_terminate_on_host_maintenance():
     assert worker["node_config"]["scheduling"]["onHostMaintenance"] == "TERMINATE"
 
 
+def _shared_mount_command(config: dict) -> str:
+    (cmd,) = [c for c in config["setup_commands"] if "/mnt/shared" in c]
+    return cmd
+
+
+def _run_as_ray_does(cmd: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, str]:
+    """The command as Ray's SSH runner wraps it, in bash; sudo and mountpoint are recorders."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    calls = tmp_path / "calls"
+    (stubs / "sudo").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    (stubs / "mountpoint").write_text("#!/bin/sh\nexit 1\n")  # nothing mounted yet
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    (wrapped,) = shlex.split(_with_interactive(cmd)[-1])
+    env = {"HOME": str(tmp_path), "PATH": f"{stubs}:/usr/bin:/bin"}
+    proc = subprocess.run(["bash", "-c", wrapped], env=env, capture_output=True, text=True, timeout=30)
+    return proc, calls.read_text() if calls.exists() else ""
+
+
 @pytest.mark.parametrize("name", sorted(LAUNCHER))
-def test_dashboard_bound_to_loopback(name):
-    start = " ".join(load(CLUSTER / name)["head_start_ray_commands"])
-    assert "--dashboard-host=127.0.0.1" in start
+def test_shared_mount_is_skipped_until_its_placeholder_is_filled(name, tmp_path):
+    proc, calls = _run_as_ray_does(_shared_mount_command(load(CLUSTER / name)), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "not set" in proc.stdout and calls == ""  # `ray up` goes on with the object-store root
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHER))
+def test_shared_mount_mounts_nfs_on_every_node_once_filled(name, tmp_path):
+    cmd = _shared_mount_command(load(CLUSTER / name))
+    placeholder = re.search(r"SHARED_NFS=(\S+);", cmd).group(1)
+    target = "fs-0123456789abcdef0.efs.us-east-1.amazonaws.com:/" if name.startswith("aws") else "10.0.0.2:/share"
+    proc, calls = _run_as_ray_does(cmd.replace(placeholder, target), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    mount = next(line for line in calls.splitlines() if line.startswith("mount "))
+    assert mount.endswith(f"{target} /mnt/shared")
+    assert "nfs-common" in calls and "/mnt/shared/results" in calls
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHER))
+def test_every_shell_command_parses_and_hides_no_placeholder(name):
+    config = load(CLUSTER / name)
+    for cmd in (c for k in COMMAND_KEYS for c in config.get(k, [])):
+        (wrapped,) = shlex.split(_with_interactive(cmd)[-1])
+        assert subprocess.run(["bash", "-n", "-c", wrapped]).returncode == 0, cmd
+        # REPLACE_ME belongs in ids only you have; in a command, only behind the guard that skips it.
+        assert "REPLACE_ME" not in cmd or "*REPLACE_ME*)" in cmd, cmd
 
 
 def test_no_config_listens_on_or_opens_to_every_address():
@@ -148,7 +234,7 @@ def test_broken_copy_fails_validation(name, breakage):
         ray_validate(broken)
 
 
-def test_runtime_env_ships_the_project_without_reinstalling_torch():
+def test_runtime_env_ships_the_project_and_wires_mlflow_and_the_results_root():
     spec = load(RUNTIME_ENV)
     RuntimeEnv(**spec)  # Ray's own field checks
     # RuntimeEnv accepts unknown keys as plugins; a typo would silently do nothing.
@@ -157,6 +243,18 @@ def test_runtime_env_ships_the_project_without_reinstalling_torch():
     for module in spec["py_modules"]:
         assert (REPO / module).is_dir(), module  # uploaded as the package named by its basename
     assert {".git", ".venv", "results", "mlflow.db"} <= set(spec["excludes"])
+    env = spec["env_vars"]
+    # A tracking server, never the SQLite default that lands in the job's deleted working dir.
+    assert re.match(r"^https?://\S+:\d+$", env["MLFLOW_TRACKING_URI"])
+    assert OBJECT_STORE.match(env["SCALESTUDY_RESULTS_ROOT"])
+
+
+def test_documented_default_results_root_is_an_object_store():
+    readme = (CLUSTER / "README.md").read_text()
+    submit = re.search(r"ray job submit [^\n]*\\\n[^\n]*", readme).group(0)
+    assert "--runtime-env cluster/runtime_env.yaml" in submit and "--working-dir ." in submit
+    root = re.search(r"scalestudy sweep \S+\.yaml --results-root (\S+)", submit).group(1)
+    assert OBJECT_STORE.match(root)
 
 
 def test_versions_agree_across_cluster_files():
@@ -169,14 +267,46 @@ def test_versions_agree_across_cluster_files():
         assert re.findall(r"(?:ray\[default\]==|rayproject/ray:)([\d.]+)", text) == [ray_version], name
 
 
+def _dockerfile_runs() -> list[str]:
+    text = re.sub(r"\\\n", " ", (KUBERAY / "Dockerfile").read_text())
+    return [line[4:] for line in text.splitlines() if line.startswith("RUN ")]
+
+
+def test_image_installs_efa_libfabric_and_aws_ofi_nccl_and_fails_without_them():
+    runs = _dockerfile_runs()
+    for run in runs:
+        assert subprocess.run(["bash", "-n", "-c", run]).returncode == 0, run
+    install = next(r for r in runs if "efa_installer.sh" in r)
+    assert "https://efa-installer.amazonaws.com/aws-efa-installer-" in install
+    assert all(flag in install.split() for flag in ("--skip-kmod", "--skip-limit-conf", "--no-verify"))
+    check = next(r for r in runs if "fi_info" in r)  # libfabric's EFA build answers
+    assert "libnccl-net" in check and "exit 1" in check and "ldconfig" in check
+    # The torch wheel (and its NCCL) comes after EFA; forced settings NCCL no longer needs stay out.
+    assert runs.index(install) < runs.index(next(r for r in runs if "torch==" in r))
+    text = (KUBERAY / "Dockerfile").read_text()
+    assert not re.search(r"^ENV .*(FI_EFA_USE_DEVICE_RDMA|NCCL_PROTO)", text, re.M)
+
+
 def _containers(group: dict) -> list[dict]:
     return group["template"]["spec"]["containers"]
+
+
+def _volume_mounts(group: dict) -> dict[str, dict]:
+    """mountPath -> volume, over all containers of a pod template."""
+    volumes = {v["name"]: v for v in group["template"]["spec"].get("volumes", [])}
+    return {m["mountPath"]: volumes[m["name"]] for c in _containers(group) for m in c.get("volumeMounts", [])}
+
+
+def _group_accelerator(group: dict) -> str:
+    (resource,) = json.loads(json.loads(group["rayStartParams"]["resources"]))
+    return resource.removeprefix("accelerator_type:")
 
 
 def check_cluster_spec(spec: dict) -> None:
     assert spec["enableInTreeAutoscaling"] is True
     head = spec["headGroupSpec"]
     assert head["serviceType"] == "ClusterIP"
+    assert head["rayStartParams"]["num-cpus"] == "0" and head["rayStartParams"]["num-gpus"] == "0"
     assert all("nvidia.com/gpu" not in c.get("resources", {}).get("limits", {}) for c in _containers(head))
     groups = spec["workerGroupSpecs"]
     assert {g["groupName"] for g in groups} == {"gpu-a100", "gpu-h100"}
@@ -188,6 +318,14 @@ def check_cluster_spec(spec: dict) -> None:
         assert int(limits["nvidia.com/gpu"]) == 8
         assert requests == limits  # Guaranteed QoS: a GPU pod is never the first one evicted
         assert container["image"] == _containers(head)[0]["image"]
+        pod = g["template"]["spec"]
+        instance = pod["nodeSelector"]["node.kubernetes.io/instance-type"]
+        assert int(limits["vpc.amazonaws.com/efa"]) == EFA_CARDS[instance]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        assert _volume_mounts(g)["/dev/shm"]["emptyDir"]["medium"] == "Memory"
+        accelerator = _group_accelerator(g)
+        assert g["groupName"] == f"gpu-{accelerator.lower()}"
+        assert ACCELERATOR[instance] == accelerator
 
 
 def test_raycluster_manifest():
@@ -196,12 +334,67 @@ def test_raycluster_manifest():
     check_cluster_spec(doc["spec"])
 
 
-def test_rayjob_manifest_runs_the_sweep_on_the_same_cluster_spec():
+def test_mlflow_uri_and_results_root_reach_the_kuberay_driver():
+    spec = load(KUBERAY / "raycluster.yaml")["spec"]
+    head = spec["headGroupSpec"]
+    env = {e["name"]: e for e in _containers(head)[0]["env"]}
+    assert env["MLFLOW_TRACKING_URI"]["valueFrom"]["secretKeyRef"] == {"name": "scalestudy-mlflow", "key": "uri"}
+    root = env["SCALESTUDY_RESULTS_ROOT"]["value"]
+    # A local root must be a volume every pod mounts: checkpoints are written from the GPU pods.
+    for group in [head, *spec["workerGroupSpecs"]]:
+        assert any(root.startswith(path + "/") and "persistentVolumeClaim" in vol
+                   for path, vol in _volume_mounts(group).items()), group.get("groupName", "head")
+
+
+def test_rayjob_runs_a_measured_study_on_gpus_the_cluster_provides():
     doc = load(KUBERAY / "rayjob.yaml")
     assert (doc["apiVersion"], doc["kind"]) == ("ray.io/v1", "RayJob")
     spec = doc["spec"]
-    assert re.search(r"(^|&& )scalestudy sweep \S+\.yaml$", spec["entrypoint"])
     assert spec["shutdownAfterJobFinishes"] is True
-    yaml.safe_load(spec["runtimeEnvYAML"])
+    RuntimeEnv(**yaml.safe_load(spec["runtimeEnvYAML"]))
     check_cluster_spec(spec["rayClusterSpec"])
     assert spec["rayClusterSpec"] == load(KUBERAY / "raycluster.yaml")["spec"]
+    match = re.fullmatch(r"scalestudy sweep (\S+\.yaml) --results-root (\S+)( --verbose)?", spec["entrypoint"])
+    assert match, spec["entrypoint"]
+    study_path, root, _ = match.groups()
+    assert study_path.startswith(IMAGE_ROOT)
+    study = load_spec(REPO / study_path.removeprefix(IMAGE_ROOT), [])
+    assert study.backend.value == "measure"  # a simulate study would start no GPU pod
+    (hardware,) = study.hardware
+    assert hardware.kind == "gpu"
+    provided = {PROFILE[_group_accelerator(g)] for g in spec["rayClusterSpec"]["workerGroupSpecs"]}
+    assert hardware.name in provided
+    assert max(study.world_size) > hardware.gpus_per_node  # NCCL must cross nodes at least once
+    head = spec["rayClusterSpec"]["headGroupSpec"]
+    assert OBJECT_STORE.match(root) or any(root.startswith(p + "/") for p in _volume_mounts(head))
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHER))
+def test_smoke_study_runs_on_every_launcher_with_its_gpu_profile(name):
+    # The README's `--set hardware=...` for each cluster: the profile matches the node.
+    _, _, _, accelerator = LAUNCHER[name]
+    (worker,) = worker_types(load(CLUSTER / name)).values()
+    study = load_spec(REPO / "experiments/cluster_smoke.yaml", [f"hardware={PROFILE[accelerator]}"])
+    (hardware,) = study.hardware
+    assert hardware.gpus_per_node == worker["resources"]["GPU"]
+    assert max(study.world_size) <= hardware.gpus_per_node * worker["max_workers"]
+
+
+def _referenced_specs() -> set[str]:
+    refs = set()
+    for path in CLUSTER.rglob("*"):
+        if path.is_file():
+            for ref in re.findall(r"(?:/home/ray/scalestudy/)?experiments/[\w./-]+?\.yaml", path.read_text()):
+                refs.add(ref.removeprefix(IMAGE_ROOT))
+    assert "experiments/cluster_smoke.yaml" in refs  # the RayJob's and the README's study
+    return refs
+
+
+@pytest.mark.parametrize("ref", sorted(_referenced_specs()))
+def test_every_study_named_by_a_cluster_file_exists_and_validates(ref, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert (REPO / ref).is_file(), ref
+    res = CliRunner().invoke(app, ["validate", ref], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert re.search(r": \d+ trials \((\d+) runnable", res.output).group(1) != "0"
+

@@ -26,6 +26,11 @@ DEFAULT_URI = "sqlite:///mlflow.db"
 ROLE_TAG = "scalestudy.role"
 RESULT_ID_TAG = "scalestudy.result_id"
 SWEEP_ID_TAG = "scalestudy.sweep_id"
+# MLflow 3 sorts experiments into GenAI apps and model training. Its UI's own kind selector stores
+# the choice in this tag (MLflow 3.17 server/js: setExperimentTag "mlflow.experimentKind"); the
+# values are "genai_development" and "custom_model_development" (shown as "Machine learning").
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
 VERSION_PACKAGES = ("torch", "ray", "deepspeed", "transformers", "mlflow")
 
 
@@ -86,7 +91,14 @@ class MlflowWriter:
 
     def _ensure_experiment(self) -> None:
         exp = self.client.get_experiment_by_name(self.experiment)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(self.experiment)
+        if exp is None:
+            self.experiment_id = self.client.create_experiment(
+                self.experiment, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+            return
+        self.experiment_id = exp.experiment_id
+        # Older stores hold experiments created before the tag; a kind someone chose stays.
+        if EXPERIMENT_KIND_TAG not in exp.tags:
+            self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
 
     # --- parent run -------------------------------------------------------------------------
     def start_sweep(self, sweep_id: str, spec_text: str, run_name: str) -> str | None:
@@ -196,6 +208,13 @@ class MlflowWriter:
                 path = Path(tmp) / "steps.parquet"
                 pq.write_table(table, path)
                 self.client.log_artifact(run_id, str(path))
+
+
+def experiment_ui_url(ui_base: str, experiment_id: str) -> str:
+    """The experiment's runs in `mlflow ui`. MLflow 3.17's UI picks GenAI or model-training pages
+    from a per-browser switch (default GenAI, whose overview shows zero traces here), not from the
+    experiment's tag; `workflowType=machine_learning` in the link opens the runs table instead."""
+    return f"{ui_base.rstrip('/')}/#/experiments/{experiment_id}?workflowType=machine_learning"
 
 
 def _config_params() -> frozenset[str]:
