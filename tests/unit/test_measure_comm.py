@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from scalestudy.measure.comm import bandwidths_gbps, bus_factor, stats_from_comms_logger, stats_from_trace
+from scalestudy.measure.comm import bandwidths_gbps, stats_from_comms_logger, stats_from_trace
+from scalestudy.metrics import busbw_factor as bus_factor
 from scalestudy.measure.overlap import CollectiveCall, TraceIntervals
 
 

@@ -1,9 +1,9 @@
 """Communication accounting: nccl-tests bandwidths and per-step breakdowns per collective kind.
 
 Bandwidths follow nccl-tests' doc/PERFORMANCE.md: for a collective of size S bytes taking t seconds,
-algbw = S / t and busbw = algbw * factor(n), with S the full buffer (for all_gather the gathered output,
-for reduce_scatter the unscattered input). factor: all_reduce 2(n-1)/n; all_gather, reduce_scatter and
-all_to_all (n-1)/n; broadcast, reduce, send/recv 1. Reported in GB/s (1e9 bytes/s), as nccl-tests does.
+algbw = S / t and busbw = algbw * metrics.busbw_factor(kind, n), with S the full buffer (for all_gather
+the gathered output, for reduce_scatter the unscattered input). Reported in GB/s (1e9 bytes/s), as
+nccl-tests does.
 
 Two sources, one schema (dict[kind -> CollectiveStats] per optimizer step):
 
@@ -27,23 +27,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from scalestudy.metrics import CollectiveStats
+from scalestudy.metrics import CollectiveStats, busbw_factor
 from scalestudy.measure.overlap import TraceIntervals, clip, kind_of, measure
 
 NAN = float("nan")
-
-
-def bus_factor(kind: str, n: int) -> float:
-    """busbw / algbw for a collective over n ranks (nccl-tests PERFORMANCE.md)."""
-    if n < 1:
-        raise ValueError(f"world size must be >= 1, got {n}")
-    if kind == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    if kind in ("broadcast", "reduce", "send_recv"):
-        return 1.0
-    return NAN  # barrier and unknown kinds move no defined payload
 
 
 def bandwidths_gbps(kind: str, size_bytes: float, time_s: float, n: int) -> tuple[float, float]:
@@ -51,7 +38,7 @@ def bandwidths_gbps(kind: str, size_bytes: float, time_s: float, n: int) -> tupl
     if not (time_s > 0) or not (size_bytes > 0):
         return NAN, NAN
     algbw = size_bytes / time_s / 1e9
-    return algbw, algbw * bus_factor(kind, n)
+    return algbw, algbw * busbw_factor(kind, n)
 
 
 def collective_stats(kind: str, count: float, size_bytes: float, time_s: float, n: int) -> CollectiveStats:

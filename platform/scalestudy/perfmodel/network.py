@@ -27,13 +27,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# The collective kinds are metrics.py's names (parallelism.py uses them as net.ALL_GATHER, ...).
+from scalestudy.metrics import (  # noqa: F401
+    ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, SEND_RECV, busbw_factor)
+from scalestudy.parallel.layout import Layout
 from scalestudy.perfmodel.params import ModelParams
 from scalestudy.spec.catalog import HardwareProfile
-
-ALL_REDUCE = "all_reduce"
-ALL_GATHER = "all_gather"
-REDUCE_SCATTER = "reduce_scatter"
-SEND_RECV = "send_recv"
 
 
 @dataclass(frozen=True)
@@ -45,12 +44,10 @@ class Group:
     m: int
 
     @staticmethod
-    def of(n: int, stride: int, gpus_per_node: int) -> Group:
-        """Ranks r, r+stride, r+2*stride, ... of the (dp, pp, tp) grid, tp innermost."""
-        if n <= 1:
-            return Group(1, 1, 1)
-        per_node = max(1, min(n, gpus_per_node // stride)) if stride <= gpus_per_node else 1
-        return Group(n, per_node, math.ceil(n / per_node))
+    def of(layout: Layout, axis: str) -> Group:
+        """The placement of a trial's group along one axis of its grid ("dp", "tp", "pp"), as the
+        layout places ranks on nodes."""
+        return Group(*layout.group_placement(axis))
 
 
 def _interp(curve: list[list[float]], x: float) -> float:
@@ -103,7 +100,7 @@ def collective_time(op: str, size_bytes: float, g: Group, hw: HardwareProfile,
                 else hw.network_gbps_per_gpu * p.network_efficiency) * 1e9
         base, intra, inter, _ = PROTOCOLS["Simple"]
         return size_bytes / link + scale * (base + (intra if g.m == 1 else inter))
-    factor = (2.0 if op == ALL_REDUCE else 1.0) * (g.n - 1) / g.n
+    factor = busbw_factor(op, g.n)
     curve = hw.calibration.get(f"busbw_gbps_{op}")
     if g.m == 1 and isinstance(curve, list) and curve:
         return factor * size_bytes / (_interp(curve, size_bytes) * 1e9)
@@ -115,12 +112,3 @@ def collective_time(op: str, size_bytes: float, g: Group, hw: HardwareProfile,
         tree = base + 2 * ((g.k - 1) * intra + math.log2(g.m) * inter)
         best = min(best, scale * tree + wire / bw)
     return best
-
-
-def busbw_gbps(op: str, size_bytes: float, g: Group, hw: HardwareProfile, p: ModelParams) -> float:
-    """Effective bus bandwidth of one call (what nccl-tests prints as busbw)."""
-    t = collective_time(op, size_bytes, g, hw, p)
-    if t <= 0:
-        return float("nan")
-    factor = 1.0 if op == SEND_RECV else (2.0 if op == ALL_REDUCE else 1.0) * (g.n - 1) / g.n
-    return factor * size_bytes / t / 1e9

@@ -68,8 +68,8 @@ def communication(cfg: TrialConfig, p: ModelParams) -> list[Comm]:
     w = 4 if cfg.precision is Precision.fp32 else 2
     m, layers = cfg.grad_accum, dims.num_layers // cfg.pp
     held = params_per_device(dims, cfg.tp, cfg.pp)  # per tp rank, largest stage, before ZeRO
-    dp_g = net.Group.of(cfg.dp, cfg.tp * cfg.pp, g)
-    tp_g = net.Group.of(cfg.tp, 1, g)
+    dp_g = net.Group.of(cfg.layout, "dp")
+    tp_g = net.Group.of(cfg.layout, "tp")
     out: list[Comm] = []
 
     def add(kind: str, phase: str, calls: float, size: float, group: net.Group,

@@ -3,8 +3,9 @@
 Each sequence is an arithmetic progression (random start and stride) over the first ACTIVE_VOCAB
 token ids, so the loss has structure to learn at two speeds: which ids occur (within a few steps)
 and the stride (given context). The batch of a step depends only on the
-seed and the step, and every data-parallel rank takes its slice of it: any (dp, tp, micro-batch,
-accumulation) layout with the same global batch trains on exactly the same tokens.
+seed and the step, and every data-parallel rank takes its rows of it (Layout.batch_rows): any
+(dp, tp, micro-batch, accumulation) layout with the same global batch trains on exactly the same
+tokens.
 """
 
 from __future__ import annotations
@@ -21,11 +22,3 @@ def global_batch(step: int, global_batch: int, seq_len: int, vocab_size: int, se
     start = torch.randint(0, active, (global_batch, 1), generator=gen)
     stride = torch.randint(1, MAX_STRIDE + 1, (global_batch, 1), generator=gen)
     return (start + stride * torch.arange(seq_len)) % active
-
-
-def micro_batch_slice(
-    batch: torch.Tensor, micro_step: int, dp_rank: int, dp: int, micro_batch: int
-) -> torch.Tensor:
-    """Rows of the global batch for one dp rank at one gradient-accumulation micro-step."""
-    first = (micro_step * dp + dp_rank) * micro_batch
-    return batch[first : first + micro_batch]
