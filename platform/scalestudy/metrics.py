@@ -58,6 +58,9 @@ TIME_LOST_S = "time_lost_s"
 
 WALL_TIME_S = "wall_time_s"
 TIME_TO_FIRST_STEP_S = "time_to_first_step_s"
+# Per-step series (MLflow metric history, one value per step)
+TRAIN_LOSS = "train/loss"
+TRAIN_STEP_TIME_S = "train/step_time_s"
 
 SCALAR_METRICS: tuple[str, ...] = (
     STEP_TIME_S, STEP_TIME_P90_S, TOKENS_PER_S, TOKENS_PER_S_PER_DEVICE, MODEL_TFLOPS_PER_DEVICE,

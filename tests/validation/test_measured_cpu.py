@@ -26,7 +26,10 @@ pytestmark = pytest.mark.slow
 def calibrated_cpu(ray_session):
     from scalestudy.calibrate.run import calibrate
 
-    return calibrate(catalog.get_hardware("cpu-local"), quick=True, precisions=["bf16"])
+    # The precision the quick start's `auto` resolves to on this machine (bf16 with native bf16
+    # matmul, else fp32): the one its trials run at.
+    precision = plan(load_spec(QUICKSTART))[0].config.precision.value
+    return calibrate(catalog.get_hardware("cpu-local"), quick=True, precisions=[precision])
 
 
 def test_calibrated_cpu_prediction_mape(quickstart_results, calibrated_cpu):

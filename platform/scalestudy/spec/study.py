@@ -27,7 +27,7 @@ from scalestudy.spec import catalog
 from scalestudy.spec.catalog import HardwareProfile, ModelDims, Precision
 from scalestudy.spec.errors import InfeasibleTrial
 from scalestudy.spec.precision import PrecisionChoice, resolve_precision
-from scalestudy.spec.trial import (  # noqa: F401 - Backend, Steps, ... are also the spec's sections
+from scalestudy.spec.trial import (
     AXES,
     LAYOUT_NAME_AXES,
     Backend,
@@ -36,7 +36,6 @@ from scalestudy.spec.trial import (  # noqa: F401 - Backend, Steps, ... are also
     PlannedTrial,
     Steps,
     TrialConfig,
-    trial_name,
 )
 
 

@@ -16,7 +16,6 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from scalestudy import metrics as M
 from scalestudy.metrics import Status, TrialResult
