@@ -129,11 +129,6 @@ class Layout:
         return rank // self.devices_per_node
 
     # --- the process grid ---------------------------------------------------------------------
-    @property
-    def grid_size(self) -> int:
-        """Ranks in the grid: dp * pp * tp (the world, for a layout that divides)."""
-        return self.dp * self.pp * self.tp
-
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(dp_rank, pp_rank, tp_rank) of a global rank."""
         return rank // (self.pp * self.tp), (rank // self.tp) % self.pp, rank % self.tp
