@@ -33,7 +33,7 @@ def test_torchrun_trial_without_ray_matches_ray_train(ray_session, ray_storage, 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "scalestudy.train.local", str(QUICKSTART), *(f"--set={s}" for s in SETS), "--json"]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     json_lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert len(json_lines) == 1, proc.stdout  # rank 0 only, nothing else on stdout
     local = TrialResult.model_validate_json(json_lines[0])

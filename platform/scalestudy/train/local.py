@@ -183,4 +183,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without Python's finalisation: a process that used torch.profiler (the profiled window)
+    # can abort at interpreter exit ("terminate called without an active exception": a C++ thread
+    # that calls back into Python is unwound while the interpreter shuts down; kineto issue #1051,
+    # pytorch PR #195837), turning a finished trial into a failed torchrun. Everything is written
+    # and the process group is destroyed by now. Ray's workers do not exit between trials.
+    os._exit(code)
