@@ -29,9 +29,10 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest tests -q -m "not slow"
 
-# Unit and validation tests only (seconds): no Ray, no DeepSpeed.
+# Unit and validation tests without the slow ones (about a minute): the measured-CPU validation
+# (a real quick-start sweep and calibration, minutes) is marked slow and left to `make test`.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests/unit tests/validation -q
+	$(BIN)/python -m pytest tests/unit tests/validation -q -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python tests/bench/overhead.py

@@ -16,6 +16,8 @@ matplotlib.use("Agg")  # reports are rendered headless; never pick an interactiv
 import pandas as pd  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
+from scalestudy import metrics as M  # noqa: E402
+from scalestudy.spec.trial import trial_name  # noqa: E402
 from scalestudy_analysis.load import MEASURED, PREDICTED, completed  # noqa: E402
 
 # Lines carry a gid so tests (and notebook users) can tell data series from guides.
@@ -131,11 +133,8 @@ def generation_order(names: Iterable[str]) -> list[str]:
 
 
 def trial_label(row: pd.Series | dict, with_model: bool = False) -> str:
-    """Short trial name (ws2-tp1-z3-mb4), as run names are written."""
-    name = f"ws{row['world_size']}-tp{row['tp']}"
-    if row.get("pp", 1) and int(row.get("pp", 1)) > 1:
-        name += f"-pp{row['pp']}"
-    name += f"-z{row['zero_stage']}-mb{row['micro_batch']}"
+    """Short trial name (ws2-tp1-z3-mb4), as run names are written (spec/trial.py)."""
+    name = trial_name(dict(row))
     if with_model:
         name = f"{row['model']}/{row['hardware']} {name}"
     return name
@@ -149,8 +148,8 @@ def power_columns(df: pd.DataFrame) -> list[tuple[str, str, str]]:
     """(total power column, tokens-per-joule column, suffix) for measured and for modelled energy,
     those with data only: the two are never mixed into one number."""
     out = []
-    for power, tpj, suffix in (("total_power_w", "tokens_per_j", ""),
-                               ("total_power_w_estimated", "tokens_per_j_estimated",
+    for power, tpj, suffix in (("total_power_w", M.TOKENS_PER_J, ""),
+                               ("total_power_w_estimated", M.TOKENS_PER_J_ESTIMATED,
                                 ", modelled (not validated)")):
         if power in df and completed(df)[power].notna().any():
             out.append((power, tpj, suffix))

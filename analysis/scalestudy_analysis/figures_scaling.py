@@ -104,12 +104,12 @@ def breakdown_frame(df: pd.DataFrame) -> pd.DataFrame:
     what remains of the step once exposed communication (and any bubble) is taken out.
     """
     data = finite(df, M.STEP_TIME_S, M.COMM_EXPOSED_S).copy()
-    bubble = data["bubble_time_s"].fillna(0.0) if "bubble_time_s" in data else 0.0
+    bubble = data[M.BUBBLE_TIME_S].fillna(0.0) if M.BUBBLE_TIME_S in data else 0.0
     data["bubble_s"] = bubble
     data["exposed_s"] = data[M.COMM_EXPOSED_S]
     rest = (data[M.STEP_TIME_S] - data["exposed_s"] - data["bubble_s"]).clip(lower=0.0)
-    if "compute_time_s" in data:
-        data["compute_s"] = data["compute_time_s"].fillna(rest)
+    if M.COMPUTE_TIME_S in data:
+        data["compute_s"] = data[M.COMPUTE_TIME_S].fillna(rest)
     else:
         data["compute_s"] = rest
     frac = data[M.COMM_EXPOSED_FRACTION] if M.COMM_EXPOSED_FRACTION in data else np.nan
@@ -123,7 +123,7 @@ def step_time_breakdown(df: pd.DataFrame) -> Figure:
     exposed-communication fraction vs world size."""
     data = breakdown_frame(df)
     sizes = sorted(data["world_size"].unique())
-    has_bubble = "bubble_time_s" in data and bool((data["bubble_s"] > 0).any())
+    has_bubble = M.BUBBLE_TIME_S in data and bool((data["bubble_s"] > 0).any())
     series = list(iter_series(data, "world_size"))
     # Bars of more than a few series per world size are unreadable: keep those with the most
     # world sizes (the fraction panel still shows every series).

@@ -12,15 +12,16 @@ from datetime import datetime, timezone
 
 import pandas as pd
 
+from scalestudy import metrics as M
 from scalestudy_analysis.base import trial_label
 from scalestudy_analysis.figures import Panel
 
 TABLE_COLUMNS = (
     "trial", "source", "status", "model", "hardware", "world_size", "nodes", "dp", "tp", "pp",
     "zero_stage", "micro_batch", "grad_accum", "global_batch", "seq_len", "precision",
-    "step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu", "comm_exposed_s",
-    "comm_exposed_fraction", "peak_memory_gib", "power_w", "power_w_estimated", "tokens_per_j",
-    "tokens_per_j_estimated", "loss_first", "loss_last", "wall_time_s", "reason",
+    M.STEP_TIME_S, M.TOKENS_PER_S, M.TOKENS_PER_S_PER_DEVICE, M.MFU, M.HFU, M.COMM_EXPOSED_S,
+    M.COMM_EXPOSED_FRACTION, M.PEAK_MEMORY_GIB, M.POWER_W, M.POWER_W_ESTIMATED, M.TOKENS_PER_J,
+    M.TOKENS_PER_J_ESTIMATED, M.LOSS_FIRST, M.LOSS_LAST, M.WALL_TIME_S, "reason",
 )
 
 # Said wherever modelled energy is shown (issue 15): no measurement has validated the power model yet.

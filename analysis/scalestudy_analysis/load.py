@@ -18,6 +18,7 @@ import pandas as pd
 
 from scalestudy import metrics as M
 from scalestudy.metrics import TrialResult
+from scalestudy.spec.trial import TRIAL_KEY
 from scalestudy.track.ledger import COMM_PREFIX, Ledger, ledger_path
 from scalestudy.track.mlflow_writer import ROLE_TAG
 from scalestudy.track.mlflow_writer import tracking_uri as _writer_uri
@@ -27,13 +28,12 @@ PREDICTED = "predicted"
 SOURCE_OF_BACKEND = {"measure": MEASURED, "simulate": PREDICTED}
 LIST_COLUMNS = ("step_times_s", "losses")
 DICT_COLUMNS = ("missing", "extra")
-# Config columns that identify a point of the design space independently of how it was obtained
-# (measured or predicted): used to pair a prediction with its measurement.
-CONFIG_KEYS = ("model", "hardware", "world_size", "tp", "pp", "zero_stage", "micro_batch",
-               "global_batch", "seq_len", "precision", "activation_checkpointing")
+# The design point of a row, however it was obtained (measured or predicted): pairs a prediction
+# with its measurement. One key for the ledger, the fit and the analysis (spec/trial.py).
+CONFIG_KEYS = TRIAL_KEY
 # Breakdown metrics the performance model may report, as TrialResult fields or inside `extra`;
 # promoted to columns when present so the breakdown figure can use them.
-OPTIONAL_METRICS = ("compute_time_s", "bubble_time_s", M.NODE_OVERHEAD_POWER_W_ESTIMATED)
+OPTIONAL_METRICS = (M.COMPUTE_TIME_S, M.BUBBLE_TIME_S, M.NODE_OVERHEAD_POWER_W_ESTIMATED)
 
 
 class StudyNotFound(LookupError):

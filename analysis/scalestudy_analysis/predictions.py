@@ -1,61 +1,40 @@
 """Predicted twins of measured trials, from the performance model (pure Python, seconds).
 
 A measured study becomes comparable with the model without a second sweep: each measured trial's
-configuration is rebuilt from its row (catalogue model and hardware) and predicted, so the parity
-figure scores the model on exactly the configurations that were measured.
+configuration is rebuilt from its row (spec/trial.py's config_from_row: catalogue model and
+hardware) and predicted, so the parity figure scores the model on exactly the configurations that
+were measured. Rows pair by the one trial-identity key, TRIAL_KEY.
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
+from scalestudy.errors import SpecError
 from scalestudy.metrics import TrialResult
+from scalestudy.spec.trial import config_from_row, trial_key
 from scalestudy_analysis.load import MEASURED, PREDICTED, results_frame, tidy
-
-
-def config_of(row: dict):
-    """The TrialConfig of a ledger/MLflow row; None when its model or hardware is not in the
-    catalogue (a custom profile cannot be rebuilt from its name)."""
-    from scalestudy.spec import catalog
-    from scalestudy.spec.study import Steps, TrialConfig
-
-    if row["model"] not in catalog.model_names() or row["hardware"] not in catalog.hardware_names():
-        return None
-    fields = {k: row[k] for k in TrialConfig.model_fields
-              if k in row and k not in ("steps", "model_dims", "hardware_profile")}
-    fields["steps"] = Steps(warmup=int(row["steps_warmup"]), measure=int(row["steps_measure"]),
-                            profile=int(row["steps_profile"]))
-    fields["model_dims"] = catalog.get_model(row["model"])
-    fields["hardware_profile"] = catalog.get_hardware(row["hardware"])
-    return TrialConfig(**fields)
 
 
 def predicted_twins(df: pd.DataFrame) -> tuple[pd.DataFrame, str | None]:
     """(predicted rows for the measured configurations that have none yet, note). The note says
     what was done or why nothing was (no model, no rebuildable configuration)."""
-    from scalestudy.spec.study import Backend
+    from scalestudy.spec.trial import Backend
 
     try:
         from scalestudy.perfmodel.predict import predict
     except ImportError as err:
         return df.iloc[0:0], f"no performance model to compare with ({err})"
-    have = set()
-    if (df["source"] == PREDICTED).any():
-        keys = ["model", "hardware", "world_size", "tp", "pp", "zero_stage", "micro_batch",
-                "seq_len", "precision"]
-        have = {tuple(r) for r in df[df["source"] == PREDICTED][keys].itertuples(index=False)}
+    have = {trial_key(r) for r in df[df["source"] == PREDICTED].to_dict("records")}
     out: list[TrialResult] = []
     skipped = 0
     for row in df[df["source"] == MEASURED].to_dict("records"):
-        key = tuple(row[k] for k in ("model", "hardware", "world_size", "tp", "pp", "zero_stage",
-                                     "micro_batch", "seq_len", "precision"))
+        key = trial_key(row)
         if key in have:
             continue
         try:
-            cfg = config_of(row)
-        except Exception:  # noqa: BLE001 - a row from an older schema: compare what we can
-            cfg = None
-        if cfg is None:
+            cfg = config_from_row(row)
+        except (SpecError, ValueError):  # outside the catalogue, or a row of an older schema
             skipped += 1
             continue
         out.append(predict(cfg.model_copy(update={"backend": Backend.simulate})))

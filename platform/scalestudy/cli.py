@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from scalestudy import metrics as M
 from scalestudy.spec.errors import SpecError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
@@ -56,7 +57,7 @@ def validate(spec: SpecArg, set_: SetOpt = None) -> None:
         _fail(e)
     rows = []
     for p in planned:
-        row = dict(p.axes)
+        row = {**p.axes, "precision": p.config.precision.value}  # auto, as it resolved here
         if p.feasible:
             c = p.config
             row.update(trial=c.run_name, dp=c.dp, grad_accum=c.grad_accum,
@@ -74,17 +75,17 @@ def validate(spec: SpecArg, set_: SetOpt = None) -> None:
 
 
 RESULT_COLUMNS = ["trial", "status", "world_size", "dp", "tp", "zero_stage", "micro_batch",
-                  "step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu",
-                  "peak_memory_gib", "loss_first", "loss_last", "reason"]
+                  M.STEP_TIME_S, M.TOKENS_PER_S, M.TOKENS_PER_S_PER_DEVICE, M.MFU,
+                  M.PEAK_MEMORY_GIB, M.LOSS_FIRST, M.LOSS_LAST, "reason"]
 
 
-def result_rows(results) -> list[dict]:
-    from scalestudy.spec.study import trial_name
+def result_rows(results, name_axes: tuple[str, ...] = ()) -> list[dict]:
+    from scalestudy.spec.trial import trial_name
 
     rows = []
     for r in results:
         row = r.model_dump()
-        row["trial"] = trial_name(r)
+        row["trial"] = trial_name(r, name_axes)
         row["status"] = r.status.value
         rows.append(row)
     return rows
@@ -154,7 +155,7 @@ def sweep(
         for r in outcome.results:
             sys.stdout.write(r.model_dump_json() + "\n")
         return
-    rows = result_rows(sorted_for_table(outcome.results))
+    rows = result_rows(sorted_for_table(outcome.results), study.name_axes)
     out.print(_trial_table(rows, RESULT_COLUMNS, title=f"{study.name}: {len(rows)} trials run, "
                            f"{outcome.skipped} skipped (already in the ledger)"))
     out.print(f"ledger: {outcome.ledger}")
@@ -206,9 +207,9 @@ def report(
 
 
 PREDICT_COLUMNS = ["trial", "status", "model", "hardware", "world_size", "dp", "tp", "pp",
-                   "zero_stage", "micro_batch", "grad_accum", "step_time_s",
-                   "tokens_per_s_per_device", "mfu", "comm_exposed_fraction", "peak_memory_gib",
-                   "power_w_estimated", "energy_per_token_j_estimated", "reason"]
+                   "zero_stage", "micro_batch", "grad_accum", M.STEP_TIME_S,
+                   M.TOKENS_PER_S_PER_DEVICE, M.MFU, M.COMM_EXPOSED_FRACTION, M.PEAK_MEMORY_GIB,
+                   M.POWER_W_ESTIMATED, M.ENERGY_PER_TOKEN_J_ESTIMATED, "reason"]
 
 
 @app.command()
@@ -220,7 +221,7 @@ def predict(
     """Predict every trial of a spec with the performance model (any backend, any scale)."""
     from scalestudy.perfmodel.predict import predict_planned
     from scalestudy.spec.load import load_spec, plan
-    from scalestudy.spec.study import trial_name
+    from scalestudy.spec.trial import trial_name
 
     try:
         planned = plan(load_spec(spec, set_))
@@ -230,7 +231,9 @@ def predict(
     if json_:
         sys.stdout.write("".join(r.model_dump_json() + "\n" for r in results))
         return
-    rows = [{**r.model_dump(), "trial": trial_name(r), "status": r.status.value} for r in results]
+    axes = planned[0].config.name_axes
+    rows = [{**r.model_dump(), "trial": trial_name(r, axes), "status": r.status.value}
+            for r in results]
     out.print(_trial_table(rows, PREDICT_COLUMNS, title=f"{spec} (predicted)"))
 
 
@@ -243,8 +246,7 @@ def calibrate(
 ) -> None:
     """Microbenchmark this Ray cluster (GEMM, memory, per-op and per-step costs, collectives) and
     write a hardware profile that a spec's `hardware:` accepts."""
-    from scalestudy.measure.calibrate import calibrate as run_calibration
-    from scalestudy.measure.calibrate import write_profile
+    from scalestudy.calibrate.run import calibrate as run_calibration
     from scalestudy.spec import catalog
 
     if hardware not in catalog.hardware_names():
@@ -254,7 +256,7 @@ def calibrate(
         profile = run_calibration(catalog.get_hardware(hardware), quick=quick)
     except NotImplementedError as e:
         _fail(SpecError("--hardware", hardware, str(e)))
-    write_profile(profile, out_path)
+    catalog.write_profile(profile, out_path)
     cal = profile.calibration
     rows = [{"figure": k, "value": v} for k, v in (
         *((f"peak_tflops.{p.value}", t) for p, t in profile.peak_tflops.items()),
@@ -273,18 +275,24 @@ def fit(
     results_root: Annotated[Path, typer.Option(help="ledger root folder")] = Path("results"),
 ) -> None:
     """Fit the performance model's efficiency parameters to a study's measured trials."""
-    from scalestudy.measure.calibrate import write_profile
     from scalestudy.perfmodel.fit import FitResult
     from scalestudy.perfmodel.fit import fit as run_fit
     from scalestudy.perfmodel.fit_data import measured_trials
-    from scalestudy.spec.study import trial_name
+    from scalestudy.spec.catalog import write_profile
+    from scalestudy.spec.trial import name_axes_of, trial_name
+    from scalestudy.track.ledger import Ledger, ledger_path
 
+    path = ledger_path(study, results_root)
     try:
-        cfgs, measured, results, hw = measured_trials(study, results_root, hardware)
+        results = Ledger(path).results()
+        if not results:
+            raise SpecError("STUDY", study, f"no ledger at {path}; run `scalestudy sweep` first")
+        cfgs, measured, results, hw = measured_trials(results, hardware)
     except SpecError as e:
         _fail(e)
     res = run_fit(cfgs, measured, hw)
-    rows = [{"trial": trial_name(r), "measured_tokens_per_s": m, "before": b,
+    axes = name_axes_of(results)
+    rows = [{"trial": trial_name(r, axes), "measured_tokens_per_s": m, "before": b,
              "err_before": b / m - 1, "after": a, "err_after": a / m - 1}
             for r, m, b, a in zip(results, measured, res.predicted_before, res.predicted_after)]
     out.print(_trial_table(rows, list(rows[0]), title=f"{study}: tokens/s, measured vs model"))

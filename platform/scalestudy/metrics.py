@@ -10,9 +10,9 @@ import math
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from scalestudy.spec.study import TrialConfig
+from scalestudy.spec.trial import TrialConfig, config_columns
 
 NAN = float("nan")
 
@@ -69,6 +69,9 @@ TIME_LOST_S = "time_lost_s"
 
 WALL_TIME_S = "wall_time_s"
 TIME_TO_FIRST_STEP_S = "time_to_first_step_s"
+# Per-step series (MLflow metric history, one value per step)
+TRAIN_LOSS = "train/loss"
+TRAIN_STEP_TIME_S = "train/step_time_s"
 
 SCALAR_METRICS: tuple[str, ...] = (
     STEP_TIME_S, STEP_TIME_P90_S, TOKENS_PER_S, TOKENS_PER_S_PER_DEVICE, MODEL_TFLOPS_PER_DEVICE,
@@ -82,26 +85,39 @@ SCALAR_METRICS: tuple[str, ...] = (
 )
 
 
+# Collective kinds, as DeepSpeed and torch.distributed name them after kind_of (measure/overlap.py)
+ALL_REDUCE = "all_reduce"
+ALL_GATHER = "all_gather"
+REDUCE_SCATTER = "reduce_scatter"
+ALL_TO_ALL = "all_to_all"
+BROADCAST = "broadcast"
+REDUCE = "reduce"
+SEND_RECV = "send_recv"
+
+
+def busbw_factor(kind: str, group_size: int) -> float:
+    """busbw / algbw of one collective over `group_size` ranks (nccl-tests doc/PERFORMANCE.md):
+    all_reduce 2(n-1)/n; all_gather, reduce_scatter and all_to_all (n-1)/n, with S the full buffer
+    (the gathered output, the unscattered input); broadcast, reduce and send/recv 1. The factor turns
+    a time into the bandwidth each rank's link carries, comparable across group sizes. Any other kind
+    (barrier, ...) counts as 1: it moves no payload, so its bus bytes stay 0 rather than NaN, which
+    would poison a per-kind sum. ``group_size`` is the collective's OWN group (tp for a
+    tensor-parallel all_reduce, dp for gradient reduction), never the world size."""
+    n = group_size
+    if n < 1:
+        raise ValueError(f"group size must be >= 1, got {n}")
+    if kind == ALL_REDUCE:
+        return 2.0 * (n - 1) / n
+    if kind in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL):
+        return (n - 1) / n
+    return 1.0
+
+
 class Status(str, Enum):
     completed = "completed"
     failed = "failed"
     infeasible = "infeasible"
     timeout = "timeout"
-
-
-def busbw_factor(kind: str, group_size: int) -> float:
-    """busbw / algbw of one collective over ``group_size`` ranks, as nccl-tests defines it
-    (doc/PERFORMANCE.md): all_reduce 2(n-1)/n; all_gather, reduce_scatter and all_to_all (n-1)/n;
-    broadcast, reduce, send/recv and everything else 1. ``group_size`` is the collective's OWN group
-    (tp for a tensor-parallel all_reduce, dp for gradient reduction), never the world size."""
-    n = int(group_size)
-    if n < 1:
-        raise ValueError(f"group size must be >= 1, got {group_size}")
-    if kind == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    return 1.0
 
 
 class CollectiveStats(BaseModel):
@@ -120,33 +136,13 @@ class CollectiveStats(BaseModel):
     busbw_gbps: float = NAN
 
 
-class TrialResult(BaseModel):
-    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
+# The config columns, derived from TrialConfig (spec/trial.py): a field added there is a column here.
+ConfigColumns = create_model("ConfigColumns", __config__=ConfigDict(extra="forbid"),
+                             **config_columns())
 
-    # Config (TrialConfig.config_fields)
-    study: str
-    trial_id: str
-    backend: str
-    model: str
-    hardware: str
-    world_size: int
-    nodes: int
-    dp: int
-    tp: int
-    pp: int
-    zero_stage: int
-    micro_batch: int
-    grad_accum: int
-    global_batch: int
-    seq_len: int
-    precision: str
-    activation_checkpointing: bool
-    seed: int
-    learning_rate: float
-    trial_timeout_s: float
-    steps_warmup: int
-    steps_measure: int
-    steps_profile: int
+
+class TrialResult(ConfigColumns):
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
 
     status: Status
     reason: str | None = None

@@ -16,7 +16,7 @@ from scalestudy_analysis import figures_trials as T
 from scalestudy_analysis.base import GID_DATA, GID_IDEAL, FigureSkipped
 from scalestudy_analysis.figures import FIGURES, draw_all, save_pngs
 from scalestudy_analysis.load import results_frame, tidy
-from scalestudy_analysis.synthetic import synthetic_results, synthetic_study
+from tests.fixtures.synthetic import synthetic_results, synthetic_study
 
 
 def data_lines(ax, gid=GID_DATA):

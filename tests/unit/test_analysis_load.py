@@ -19,7 +19,7 @@ from scalestudy_analysis.load import (
     results_frame,
     runs_to_rows,
 )
-from scalestudy_analysis.synthetic import synthetic_results
+from tests.fixtures.synthetic import synthetic_results
 
 
 def test_frame_has_the_trial_result_schema_and_sources():

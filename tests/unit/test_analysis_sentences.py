@@ -8,7 +8,7 @@ import pytest
 
 from scalestudy_analysis import sentences as W
 from scalestudy_analysis.load import results_frame
-from scalestudy_analysis.synthetic import synthetic_results
+from tests.fixtures.synthetic import synthetic_results
 
 
 def study(points: dict[int, dict], **kwargs):

@@ -1,8 +1,7 @@
-"""Catalogue parameter counts, FLOPs/MFU formulas and degree derivation against hand computations."""
+"""Catalogue parameter counts and FLOPs/MFU formulas against hand computations (degrees: test_layout.py)."""
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +10,8 @@ import pytest
 
 from scalestudy import metrics as M
 from scalestudy.measure.throughput import percentile, throughput_metrics
-from scalestudy.parallel.degrees import derive_degrees
 from scalestudy.perfmodel.flops import hardware_flops_per_token, model_flops_per_token
 from scalestudy.spec import catalog
-from scalestudy.spec.errors import InfeasibleTrial
 from scalestudy.spec.load import load_spec, plan
 
 REPO = Path(__file__).parents[2]
@@ -72,26 +69,6 @@ def test_mfu_by_hand():
 def test_percentile_matches_numpy_linear():
     assert percentile([1, 2, 3, 4], 50) == 2.5
     assert percentile([3.0], 90) == 3.0
-
-
-@pytest.mark.parametrize(
-    "ws, tp, pp, mb, gb, expect",
-    [
-        (8, 2, 1, 2, None, (4, 1, 8)),
-        (8, 2, 2, 1, 16, (2, 8, 16)),
-        (16, 1, 1, 4, 256, (16, 4, 256)),
-    ],
-)
-def test_degrees(ws, tp, pp, mb, gb, expect):
-    d = derive_degrees(ws, tp, pp, mb, gb)
-    assert (d.dp, d.grad_accum, d.global_batch) == expect
-
-
-def test_degrees_reject():
-    with pytest.raises(InfeasibleTrial, match="not divisible by tp"):
-        derive_degrees(6, 4, 1, 1, None)
-    with pytest.raises(InfeasibleTrial, match="global_batch 10"):
-        derive_degrees(4, 1, 1, 2, 10)
 
 
 def test_trial_id_is_stable_and_distinct():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scalestudy.measure.reference_step import factors, reference_config, solve_factor
+from scalestudy.calibrate.reference_step import factors, reference_config, solve_factor
 from scalestudy.perfmodel.compute import compute_times
 from scalestudy.perfmodel.params import params_for
 from scalestudy.perfmodel.predict import simulate

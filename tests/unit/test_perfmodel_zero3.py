@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from scalestudy.parallel.layout import Layout
 from scalestudy.perfmodel import network as net
 from scalestudy.perfmodel import parallelism as par
 from scalestudy.perfmodel import zero3 as z3
@@ -94,6 +95,6 @@ def test_multi_node_ring_steps_at_the_network_hop():
     """1,535 ring steps at NCCL's network hop plus 3x the per-step post overhead (AMD host, 2 us)."""
     hw = catalog.get_hardware("a100-80gb")
     p = params_for(hw)
-    g = net.Group.of(1536, 1, hw.gpus_per_node)
+    g = net.Group.of(Layout.of(1536, devices_per_node=hw.gpus_per_node), "dp")
     tiny = net.collective_time(net.ALL_GATHER, 1536 * 2, g, hw, p)
     assert tiny == pytest.approx(1535 * (14e-6 + 3 * 2e-6) + 8.4e-6, rel=0.01)

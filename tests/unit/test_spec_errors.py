@@ -51,6 +51,11 @@ def _error(tmp_path: Path, text: str, overrides=None) -> str:
         ("world_size: 2\ntp: 2\nmodel: {hidden_size: 64, num_layers: 2, num_heads: 4, num_kv_heads: 1}\n",
          ["tp 2", "num_kv_heads 1"]),
         ("world_size: 2\nmicro_batch: 2\nglobal_batch: 6\n", ["global_batch 6", "micro_batch*dp", "4"]),
+        # llama2-tiny's max_seq_len is 512; 100000 was once accepted as runnable
+        ("seq_len: 100000\n", ["seq_len 100000", "max_seq_len (512)"]),
+        ("world_size: 2\ntp: 2\nmodel: {hidden_size: 64, num_layers: 2, num_heads: 4, "
+         "ffn_hidden_size: 171}\n", ["tp 2", "ffn_hidden_size 171"]),
+        ("world_size: 4\npp: 4\nbackend: simulate\n", ["pp 4", "num_layers 2"]),
     ],
 )
 def test_bad_field(tmp_path, extra, expected):
@@ -121,13 +126,12 @@ def test_cli_validate_ok(tmp_path):
 
 def test_elastic_trials_must_keep_the_global_batch_at_every_size():
     from scalestudy.spec.load import validate_spec
-    from scalestudy.parallel.degrees import derive_degrees
     from scalestudy.spec.study import expand
 
     base = {"name": "el", "model": "llama2-tiny", "hardware": "cpu-local", "world_size": 4,
             "micro_batch": 1, "global_batch": 12}
     ok = expand(validate_spec({**base, "elastic": {"min_workers": 2, "max_workers": 4}}))[0]
-    accum = {w: derive_degrees(w, 1, 1, 1, ok.config.global_batch).grad_accum for w in (2, 3)}
+    accum = {w: ok.config.layout.resized(w).grad_accum for w in (2, 3)}
     assert ok.feasible and accum == {2: 6, 3: 4}
     bad = expand(validate_spec({**base, "global_batch": 8,
                                 "elastic": {"min_workers": 2, "max_workers": 4}}))[0]

@@ -2,7 +2,7 @@
 real (the session's quickstart fixture), predict the same trials with the calibrated profile, compare
 tokens/s. Prints a per-trial error table and fails past a MAPE of 25% (target 15%).
 
-Calibrate times real training steps of one reference shape (measure/reference_step.py: micro-batch
+Calibrate times real training steps of one reference shape (calibrate/reference_step.py: micro-batch
 2 x 256 tokens, ZeRO stage 0, on one worker and on two); the quick start runs 4 x 128 at stages 0-3,
 so no row here is a configuration calibrate measured: each one is a prediction.
 """
@@ -14,7 +14,7 @@ import pytest
 from scalestudy.perfmodel.predict import predict
 from scalestudy.spec import catalog
 from scalestudy.spec.load import load_spec, plan
-from scalestudy.spec.study import trial_name
+from scalestudy.spec.trial import trial_name
 from tests.conftest import QUICKSTART
 
 MAPE_BOUND = 0.25
@@ -24,9 +24,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def calibrated_cpu(ray_session):
-    from scalestudy.measure.calibrate import calibrate
+    from scalestudy.calibrate.run import calibrate
 
-    return calibrate(catalog.get_hardware("cpu-local"), quick=True, precisions=["bf16"])
+    # The precision the quick start's `auto` resolves to on this machine (bf16 with native bf16
+    # matmul, else fp32): the one its trials run at.
+    precision = plan(load_spec(QUICKSTART))[0].config.precision.value
+    return calibrate(catalog.get_hardware("cpu-local"), quick=True, precisions=[precision])
 
 
 def test_calibrated_cpu_prediction_mape(quickstart_results, calibrated_cpu):

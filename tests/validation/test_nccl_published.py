@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from scalestudy.parallel.layout import Layout
 from scalestudy.perfmodel import network as net
 from scalestudy.perfmodel.params import params_for
 from scalestudy.spec import catalog
@@ -17,7 +18,7 @@ def _busbw(hw_name: str, op: str, size: float, ranks: int, nics_gbit_per_node: f
     hw = catalog.get_hardware(hw_name)
     if nics_gbit_per_node:
         hw = hw.model_copy(update={"network_gbps_per_gpu": nics_gbit_per_node / 8 / hw.gpus_per_node})
-    g = net.Group.of(ranks, 1, hw.gpus_per_node)
+    g = net.Group.of(Layout.of(ranks, devices_per_node=hw.gpus_per_node), "dp")
     return net.busbw_gbps(op, size, g, hw, params_for(hw))
 
 
@@ -54,8 +55,13 @@ def test_ring_latency_grows_with_ranks_and_tree_with_log_nodes():
     hw = catalog.get_hardware("h100-80gb")
     p = params_for(hw)
     small = 64 * 1024
-    t = [net.collective_time("all_gather", small, net.Group.of(n, 1, 8), hw, p) for n in (64, 512, 4096)]
+    t = [net.collective_time("all_gather", small, _ranks(n), hw, p) for n in (64, 512, 4096)]
     assert t[0] < t[1] < t[2] and t[2] / t[1] > 6  # ~linear in ranks
-    ar = [net.collective_time("all_reduce", small, net.Group.of(n, 1, 8), hw, p)
+    ar = [net.collective_time("all_reduce", small, _ranks(n), hw, p)
           for n in (64, 512, 4096)]
     assert ar[2] / ar[1] < 2  # tree: logarithmic in nodes
+
+
+def _ranks(n: int) -> net.Group:
+    """n consecutive ranks on DGX-style nodes of 8 GPUs."""
+    return net.Group.of(Layout.of(n, devices_per_node=8), "dp")

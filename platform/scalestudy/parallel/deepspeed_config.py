@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from scalestudy.spec.catalog import Precision
-from scalestudy.spec.study import TrialConfig
+from scalestudy.parallel.layout import Layout
+
+if TYPE_CHECKING:  # parallel/ sits below spec/: the trial is only an annotation here
+    from scalestudy.spec.trial import TrialConfig
 
 
-def deepspeed_config(cfg: TrialConfig) -> dict[str, Any]:
+def deepspeed_config(cfg: TrialConfig, layout: Layout | None = None) -> dict[str, Any]:
+    """The engine config of `cfg` at `layout` (default: the trial's own; an elastic attempt passes
+    its resized one). The batch figures are the layout's."""
+    lay = layout or cfg.layout
+    precision = getattr(cfg.precision, "value", cfg.precision)
     ds: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch,
-        "gradient_accumulation_steps": cfg.grad_accum,
+        "train_micro_batch_size_per_gpu": lay.micro_batch,
+        "gradient_accumulation_steps": lay.grad_accum,
         # torch_adam: DeepSpeed's default FusedAdam JIT-compiles a kernel on first use (~50 s on CPU).
         "optimizer": {
             "type": "AdamW",
@@ -22,14 +28,14 @@ def deepspeed_config(cfg: TrialConfig) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if cfg.precision is Precision.bf16:
+    if precision == "bf16":
         ds["bf16"] = {"enabled": True}
-    elif cfg.precision is Precision.fp16:
+    elif precision == "fp16":
         ds["fp16"] = {"enabled": True, "initial_scale_power": 16}
-    if cfg.tp > 1:
-        ds["tensor_parallel"] = {"autotp_size": cfg.tp}
+    if lay.tp > 1:
+        ds["tensor_parallel"] = {"autotp_size": lay.tp}
     else:
         # DeepSpeed checks this against micro x accumulation x its data-parallel size; under AutoTP
         # its config check counts the whole world as data parallel, so it is only set without TP.
-        ds["train_batch_size"] = cfg.global_batch
+        ds["train_batch_size"] = lay.global_batch
     return ds

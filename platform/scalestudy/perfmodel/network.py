@@ -40,13 +40,12 @@ import functools
 import math
 from dataclasses import dataclass
 
+# The collective kinds are metrics.py's names (parallelism.py uses them as net.ALL_GATHER, ...).
+from scalestudy.metrics import (  # noqa: F401
+    ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, SEND_RECV, busbw_factor)
+from scalestudy.parallel.layout import Layout
 from scalestudy.perfmodel.params import ModelParams
 from scalestudy.spec.catalog import HardwareProfile
-
-ALL_REDUCE = "all_reduce"
-ALL_GATHER = "all_gather"
-REDUCE_SCATTER = "reduce_scatter"
-SEND_RECV = "send_recv"
 
 
 @dataclass(frozen=True)
@@ -58,12 +57,10 @@ class Group:
     m: int
 
     @staticmethod
-    def of(n: int, stride: int, gpus_per_node: int) -> Group:
-        """Ranks r, r+stride, r+2*stride, ... of the (dp, pp, tp) grid, tp innermost."""
-        if n <= 1:
-            return Group(1, 1, 1)
-        per_node = max(1, min(n, gpus_per_node // stride)) if stride <= gpus_per_node else 1
-        return Group(n, per_node, math.ceil(n / per_node))
+    def of(layout: Layout, axis: str) -> Group:
+        """The placement of a trial's group along one axis of its grid ("dp", "tp", "pp"), as the
+        layout places ranks on nodes."""
+        return Group(*layout.group_placement(axis))
 
 
 @dataclass(frozen=True)
@@ -88,13 +85,6 @@ def _interp(curve: list[list[float]], x: float) -> float:
     return pts[-1][1]
 
 
-def factor(op: str, n: int) -> float:
-    """Bytes each rank moves per byte of S (nccl-tests' busbw factor; 1 for send/recv)."""
-    if op == SEND_RECV or n <= 1:
-        return 1.0
-    return (2.0 if op == ALL_REDUCE else 1.0) * (n - 1) / n
-
-
 def link_rates(g: Group, hw: HardwareProfile | _Links) -> tuple[float, float]:
     """(NVLink bytes/s per GPU, network bytes/s available to the group on one node), line rates."""
     return hw.nvlink_gbps_per_gpu * 1e9, g.k * hw.network_gbps_per_gpu * 1e9
@@ -116,7 +106,7 @@ def link_floor_s(op: str, size_bytes: float, g: Group, hw: HardwareProfile) -> f
     nvlink, net = link_rates(g, hw)
     if op == SEND_RECV:
         return size_bytes / (nvlink if g.m == 1 else hw.network_gbps_per_gpu * 1e9)
-    return factor(op, g.n) * size_bytes / (nvlink if g.m == 1 else min(nvlink, net))
+    return busbw_factor(op, g.n) * size_bytes / (nvlink if g.m == 1 else min(nvlink, net))
 
 
 # NCCL tuning.cc (2.19+): base latency per algorithm and protocol, hop latency per link kind, us.
@@ -155,7 +145,7 @@ def _tree_time_s(size_bytes: float, g: Group, bus: float, p: _NetParams) -> floa
         lat = (BASE_US["tree"][i] + 2 * ((g.k - 1) * NVLINK_HOP_US["tree"][i]
                                          + math.log2(g.m) * NET_HOP_US["tree"][i])) * 1e-6
         bw = bus * 0.92 * (0.25 if i == 0 else 1.0)
-        best = min(best, p.latency_scale * lat + factor(ALL_REDUCE, g.n) * size_bytes / bw)
+        best = min(best, p.latency_scale * lat + busbw_factor(ALL_REDUCE, g.n) * size_bytes / bw)
     return best
 
 
@@ -166,7 +156,7 @@ def collective_time(op: str, size_bytes: float, g: Group, hw: HardwareProfile,
         return 0.0
     curve = hw.calibration.get(f"busbw_gbps_{op}")
     if g.m == 1 and isinstance(curve, list) and curve:
-        return factor(op, g.n) * size_bytes / (_interp(curve, size_bytes) * 1e9)
+        return busbw_factor(op, g.n) * size_bytes / (_interp(curve, size_bytes) * 1e9)
     # A pure function of these numbers: memoised (a study prices the same calls many times).
     return _cost(op, float(size_bytes), g.n, g.k, g.m, hw.nvlink_gbps_per_gpu,
                  hw.network_gbps_per_gpu, p.nvlink_efficiency, p.network_efficiency,
@@ -193,7 +183,7 @@ def _cost(op: str, size_bytes: float, n: int, k: int, m: int, nvlink_gbps: float
                 else hw.network_gbps_per_gpu * p.network_efficiency) * 1e9
         hop = NVLINK_HOP_US["ring"][2] if g.m == 1 else NET_HOP_US["ring"][2]
         return size_bytes / link + p.latency_scale * (BASE_US["ring"][2] + hop) * 1e-6
-    wire = factor(op, g.n) * size_bytes
+    wire = busbw_factor(op, g.n) * size_bytes
     bus = bus_bandwidth(g, hw, p)
     best = min(p.latency_scale * _ring_latency_s(op, g, i, p) + wire / _proto_bw(i, bus, g, op)
                for i in range(3))
@@ -203,8 +193,9 @@ def _cost(op: str, size_bytes: float, n: int, k: int, m: int, nvlink_gbps: float
 
 
 def busbw_gbps(op: str, size_bytes: float, g: Group, hw: HardwareProfile, p: ModelParams) -> float:
-    """Effective bus bandwidth of one call (what nccl-tests prints as busbw)."""
+    """Effective bus bandwidth of one call (what nccl-tests prints as busbw): the model's collective
+    cost in nccl-tests' terms, so it can be checked against published nccl-tests figures."""
     t = collective_time(op, size_bytes, g, hw, p)
     if t <= 0:
         return float("nan")
-    return factor(op, g.n) * size_bytes / t / 1e9
+    return busbw_factor(op, g.n) * size_bytes / t / 1e9

@@ -34,10 +34,6 @@ class StepTime:
     bubble_s: float    # pipeline fill and drain
     step_s: float
 
-    @property
-    def busy_fraction(self) -> float:
-        return self.compute_s / self.step_s if self.step_s > 0 else 0.0
-
 
 def _exposed(comms: list[par.Comm], phase: str, window_s: float) -> tuple[float, float]:
     """(exposed, hidden) seconds of one phase's communication against a compute window."""

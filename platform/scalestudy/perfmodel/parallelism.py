@@ -75,8 +75,8 @@ def communication(cfg: TrialConfig, p: ModelParams) -> list[Comm]:
     w = 4 if cfg.precision is Precision.fp32 else 2
     m, layers = cfg.grad_accum, dims.num_layers // cfg.pp
     held = params_per_device(dims, cfg.tp, cfg.pp)  # per tp rank, largest stage, before ZeRO
-    dp_g = net.Group.of(cfg.dp, cfg.tp * cfg.pp, g)
-    tp_g = net.Group.of(cfg.tp, 1, g)
+    dp_g = net.Group.of(cfg.layout, "dp")
+    tp_g = net.Group.of(cfg.layout, "tp")
     out: list[Comm] = []
 
     def add(kind: str, phase: str, calls: float, size: float, group: net.Group,
@@ -204,7 +204,7 @@ class Zero3Phases:
 
 def _units(cfg: TrialConfig, p: ModelParams, ct: ComputeTimes, plan: _Zero3Plan, w: int):
     hw = cfg.hardware_profile
-    g = net.Group.of(cfg.dp, cfg.tp * cfg.pp, hw.gpus_per_node)
+    g = net.Group.of(cfg.layout, "dp")
 
     def gather(numel: float) -> float:
         return net.collective_time(net.ALL_GATHER, numel * w, g, hw, p) if numel else 0.0

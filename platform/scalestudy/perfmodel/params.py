@@ -21,11 +21,13 @@ class ModelParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # Compute ---------------------------------------------------------------------------------
-    # Fraction of peak a large, square GEMM reaches (cuBLAS bf16: ~0.85-0.9 on A100, ~0.7-0.75 on
-    # H100 SXM where power limits clocks). Per device in hardware.yaml's calibration.
+    # Fraction of peak a large, square GEMM reaches (best cuBLAS GEMM / dense peak, mamf-finder
+    # tables: A100 SXM 267.9 of 312 TFLOP/s = 0.86, H100 SXM 792.1 of 989 = 0.80). Per device in
+    # hardware.yaml's calibration; this default is for a device without one.
     gemm_efficiency: float = Field(0.85, gt=0, le=1)
-    # Fused attention relative to a GEMM at the same precision (FlashAttention-2: ~70% of peak fwd on
-    # A100, lower in backward; Dao 2023, fig. 4-6).
+    # Fused attention relative to the GEMM rate above (compute.py runs it at peak * gemm_efficiency
+    # * attention_efficiency): FlashAttention-2 reaches ~70% of A100's peak, ~0.8 of cuBLAS's rate,
+    # and ~0.45 of it on H100, where FA2 lacks Hopper's WGMMA/TMA (Dao 2023; hardware.yaml).
     attention_efficiency: float = Field(0.75, gt=0, le=1)
     # Sequence length at which a fused attention kernel runs at half its asymptotic rate: its fixed
     # cost per tile row amortises over the keys (FA2 causal, head dim 128: 155/182/189 TFLOP/s at
@@ -44,9 +46,11 @@ class ModelParams(BaseModel):
     # Compute of a real training step against the sum of its parts benchmarked alone (calibrate: a
     # DeepSpeed step of a reference shape on one device over the model's sum of the microbenchmarks).
     # On CPU eager PyTorch a step's kernels meet caches that the previous kernels evicted and
-    # Python/autograd/engine work between them, where each microbenchmark loops hot on one op (1.1-1.3
-    # on the 2-core CI machine). On GPUs the efficiencies above are what kernels reach in real
-    # training, so 1.
+    # Python/autograd/engine work between them, where each microbenchmark loops hot on one op
+    # (1.2-1.5 on the 2-core development machine, calibrate/reference_step.py). It multiplies the
+    # kernel and op sums of forward and backward only: the ZeRO-3 hook and optimizer figures below
+    # were measured inside an engine step already (compute.py). On GPUs the efficiencies above are
+    # what kernels reach in real training, so 1.
     in_step_slowdown: float = Field(1.0, ge=1)
     # Compute slowdown of each device while every device of its node trains at once, against one
     # device alone (calibrate: the reference step on every worker of a node as data parallelism, over
@@ -60,9 +64,11 @@ class ModelParams(BaseModel):
     # Optimizer step per parameter held, when measured (calibrate: DeepSpeed's step at two model
     # widths). None: Adam's bytes per parameter at the streaming bandwidth (compute.py).
     optimizer_s_per_param: float | None = Field(None, ge=0)
-    # ZeRO-3's fetch/release hooks per parameterised module, in forward and again in backward: Python
-    # bookkeeping beyond the all-gathers themselves. Hidden behind asynchronous kernel launches on a
-    # GPU (0); on CPU eager it is serial work (calibrate: stage 3 against stage 0).
+    # ZeRO-3's fetch/release hooks per module run, in forward and again in backward: DeepSpeed hooks
+    # every module whose forward runs, with parameters or not (compute.py counts them per
+    # architecture). Python bookkeeping beyond the all-gathers themselves: hidden behind
+    # asynchronous kernel launches on a GPU (0); serial work on CPU eager (calibrate: stage 3
+    # against stage 0, per module run of its stack of Linears and their Sequential).
     zero3_module_overhead_s: float = Field(0.0, ge=0)
     # ZeRO-3's trace-based parameter prefetch (zero3.py). DeepSpeed releases before mid-2021 skipped
     # the prefetches (the step id ran one ahead of the recorded trace: DeepSpeed #1069, May 2021),

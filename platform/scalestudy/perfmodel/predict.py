@@ -42,21 +42,15 @@ def _flops_per_token(dims: ModelDims, seq_len: int, recompute: bool) -> tuple[fl
     return model_flops_per_token(dims, seq_len), hardware_flops_per_token(dims, seq_len, recompute)
 
 
-def _busbw_factor(kind: str, n: int) -> float:
-    if kind == "send_recv" or n <= 1:
-        return 1.0
-    return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n
-
-
 def _comm_stats(cfg: TrialConfig, comms: list[par.Comm]) -> dict[str, CollectiveStats]:
     groups = {"tp": cfg.tp, "dp": cfg.dp}
     out: dict[str, CollectiveStats] = {}
     for kind, (calls, nbytes, secs) in par.by_kind(comms).items():
         # Bus bandwidth uses the group the collective runs in: TP for blocking all_reduces.
-        n = groups["tp"] if kind == "all_reduce" and cfg.tp > 1 and cfg.dp == 1 else groups["dp"]
+        n = groups["tp"] if kind == M.ALL_REDUCE and cfg.tp > 1 and cfg.dp == 1 else groups["dp"]
         algbw = nbytes / secs / 1e9 if secs > 0 else float("nan")
         out[kind] = CollectiveStats(count=calls, bytes=nbytes, time_s=secs, algbw_gbps=algbw,
-                                    busbw_gbps=algbw * _busbw_factor(kind, n))
+                                    busbw_gbps=algbw * M.busbw_factor(kind, n))
     return out
 
 

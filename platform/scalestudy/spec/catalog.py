@@ -136,3 +136,9 @@ def load_hardware_file(path: Path) -> HardwareProfile:
         data = yaml.safe_load(f)
     data.setdefault("name", path.stem)
     return HardwareProfile(**data)
+
+
+def write_profile(profile: HardwareProfile, path: Path) -> None:
+    """A profile as YAML that `load_hardware_file` (and a spec's `hardware:`) reads back."""
+    data = profile.model_dump(mode="json")
+    path.write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))

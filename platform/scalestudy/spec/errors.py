@@ -1,17 +1,6 @@
-"""The one error type users see for bad input: a single line naming field, value and fix."""
+"""The spec's error types. They are defined in scalestudy.errors, below every package, so that
+parallel/ (the layout object) can raise InfeasibleTrial without importing spec/."""
 
+from scalestudy.errors import InfeasibleTrial, SpecError
 
-class SpecError(ValueError):
-    """Invalid study spec or trial. ``str(err)`` is the whole user-facing message (one line)."""
-
-    def __init__(self, field: str, value: object, fix: str, source: str | None = None):
-        self.field = field
-        self.value = value
-        self.fix = fix
-        self.source = source
-        where = f"{source}: " if source else ""
-        super().__init__(f"{where}{field}: invalid value {value!r}: {fix}")
-
-
-class InfeasibleTrial(ValueError):
-    """A trial of a valid spec that cannot run (degrees do not divide, memory too small)."""
+__all__ = ["InfeasibleTrial", "SpecError"]

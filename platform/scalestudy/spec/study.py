@@ -1,11 +1,12 @@
-"""The study spec (YAML contract of every command) and its expansion into trials."""
+"""The study spec (YAML contract of every command) and its expansion into trials.
+
+A trial is a TrialConfig (spec/trial.py); its layout (degrees, nodes, batch split) comes from the
+layout object (parallel/layout.py), which also says why a point cannot run.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
-import math
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -19,59 +20,29 @@ from pydantic import (
     PositiveInt,
     ValidationError,
     field_validator,
-    model_validator,
 )
 
-from scalestudy.parallel.degrees import Degrees, check_model_split, derive_degrees
+from scalestudy.parallel.layout import Layout
 from scalestudy.spec import catalog
 from scalestudy.spec.catalog import HardwareProfile, ModelDims, Precision
 from scalestudy.spec.errors import InfeasibleTrial
-
-
-class Backend(str, Enum):
-    measure = "measure"
-    simulate = "simulate"
+from scalestudy.spec.precision import PrecisionChoice, resolve_precision
+from scalestudy.spec.trial import (
+    AXES,
+    LAYOUT_NAME_AXES,
+    Backend,
+    Elastic,
+    FaultTolerance,
+    PlannedTrial,
+    Steps,
+    TrialConfig,
+)
 
 
 class SearchAlgorithm(str, Enum):
     grid = "grid"
     random = "random"
     optuna = "optuna"
-
-
-class Steps(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    warmup: int = Field(3, ge=0)
-    measure: PositiveInt = 10
-    profile: int = Field(3, ge=0)  # profiled window after the timed one (communication, overlap)
-
-
-class FaultTolerance(BaseModel):
-    """Ray Train restarts of a trial's worker group, resuming from its last DeepSpeed checkpoint."""
-
-    model_config = ConfigDict(extra="forbid")
-    max_failures: int = Field(0, ge=0)  # FailureConfig(max_failures): worker-group restarts per trial
-    # Steps between checkpoints once max_failures > 0 or the trial is elastic (each costs a
-    # checkpoint write and a ray.train.report, outside the timed steps).
-    checkpoint_every: PositiveInt = 5
-
-
-class Elastic(BaseModel):
-    """Ray Train elastic scaling: the trial runs with any world size in [min_workers, max_workers]
-    that the cluster holds, keeping the global batch by recomputing gradient accumulation."""
-
-    model_config = ConfigDict(extra="forbid")
-    min_workers: PositiveInt
-    max_workers: PositiveInt
-    # How often a running trial checks whether the cluster could hold more workers (Ray Train's
-    # elastic_resize_monitor_interval_s); growing restarts the group from the last checkpoint.
-    resize_check_s: PositiveFloat = 60.0
-
-    @model_validator(mode="after")
-    def _ordered(self) -> Elastic:
-        if self.min_workers > self.max_workers:
-            raise ValueError(f"min_workers {self.min_workers} exceeds max_workers {self.max_workers}")
-        return self
 
 
 class Search(BaseModel):
@@ -130,7 +101,7 @@ class StudySpec(BaseModel):
     hardware: list[HardwareProfile]
     backend: Backend = Backend.measure
     seq_len: list[PosInt] = [128]
-    precision: list[Precision] = [Precision.bf16]
+    precision: list[PrecisionChoice] = [PrecisionChoice.auto]
     world_size: list[PosInt] = [1]
     zero_stage: list[ZeroStage] = [0]
     tp: list[PosInt] = [1]
@@ -169,6 +140,11 @@ class StudySpec(BaseModel):
     @property
     def experiment(self) -> str:
         return self.tracking.experiment or self.name
+
+    @property
+    def name_axes(self) -> tuple[str, ...]:
+        """Axes beyond the layout that this study sweeps: its trials' names show them."""
+        return tuple(a for a in AXES if a not in LAYOUT_NAME_AXES and len(getattr(self, a)) > 1)
 
 
 def _resolve_model(x: Any) -> NamedModel:
@@ -217,106 +193,12 @@ def _resolve_hardware(x: Any, spec_dir: Path | None) -> HardwareProfile:
     )
 
 
-class TrialConfig(BaseModel):
-    """One point of a study: the config columns of every TrialResult."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    study: str
-    backend: Backend
-    model: str
-    hardware: str
-    world_size: int
-    nodes: int
-    dp: int
-    tp: int
-    pp: int
-    zero_stage: int
-    micro_batch: int
-    grad_accum: int
-    global_batch: int
-    seq_len: int
-    precision: Precision
-    activation_checkpointing: bool
-    steps: Steps
-    seed: int
-    learning_rate: float
-    trial_timeout_s: float
-    fault_tolerance: FaultTolerance = FaultTolerance()
-    elastic: Elastic | None = None
-    model_dims: ModelDims
-    hardware_profile: HardwareProfile
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch * self.seq_len
-
-    @property
-    def trial_id(self) -> str:
-        """Stable hash of everything that defines the trial (not the study name or backend)."""
-        # How a trial survives faults does not change what it measures; elastic bounds do.
-        payload = self.model_dump(mode="json", exclude={"study", "fault_tolerance"})
-        if self.elastic is None:
-            payload.pop("elastic")
-        blob = json.dumps(payload, sort_keys=True).encode()
-        return hashlib.sha1(blob).hexdigest()[:12]
-
-    @property
-    def run_name(self) -> str:
-        return trial_name(self)
-
-    def config_fields(self) -> dict[str, Any]:
-        """Flat, scalar config columns (what the ledger, MLflow params and tables show)."""
-        d = self.model_dump(mode="json", exclude={"model_dims", "hardware_profile", "steps",
-                                                  "fault_tolerance", "elastic"})
-        d["trial_id"] = self.trial_id
-        d.update({f"steps_{k}": v for k, v in self.steps.model_dump().items()})
-        return d
-
-
-def trial_name(t: Any) -> str:
-    """Short human name of a trial (`ws2-tp1-z3-mb2`), for a TrialConfig or a TrialResult."""
-    name = f"ws{t.world_size}-tp{t.tp}" + (f"-pp{t.pp}" if t.pp > 1 else "")
-    name += f"-z{t.zero_stage}-mb{t.micro_batch}"
-    return name + (f"-ga{t.grad_accum}" if t.grad_accum > 1 else "")
-
-
-class PlannedTrial(BaseModel):
-    """A trial as expanded from the grid: its config, and why it cannot run when it cannot.
-
-    Infeasible points keep a config (derived values rounded down) so their results share the
-    schema of every other trial."""
-
-    model_config = ConfigDict(frozen=True)
-    axes: dict[str, Any]
-    config: TrialConfig
-    reason: str | None = None
-
-    @property
-    def feasible(self) -> bool:
-        return self.reason is None
-
-
-AXES = (
-    "model", "hardware", "seq_len", "precision", "world_size", "zero_stage", "tp", "pp",
-    "micro_batch", "global_batch", "activation_checkpointing",
-)
-
-
-def _lenient_degrees(point: dict[str, Any]) -> Degrees:
-    """Degrees of a point that may not divide (floor division), for recording infeasible trials."""
-    ws, tp, pp, mb = point["world_size"], point["tp"], point["pp"], point["micro_batch"]
-    dp = max(ws // (tp * pp), 1)
-    gb = point["global_batch"] or mb * dp
-    return Degrees(ws, dp, tp, pp, mb, max(gb // (mb * dp), 1), gb)
-
-
 def resolve_point(spec: StudySpec, axes: dict[str, Any]) -> dict[str, Any]:
     """Axis values as shown/sampled (names, plain values) -> the spec's typed objects."""
     point = dict(axes)
     point["model"] = next(m for m in spec.model if m.name == axes["model"])
     point["hardware"] = next(h for h in spec.hardware if h.name == axes["hardware"])
-    point["precision"] = Precision(axes["precision"])
+    point["precision"] = PrecisionChoice(axes["precision"])
     return point
 
 
@@ -327,50 +209,44 @@ def build_trial(spec: StudySpec, point: dict[str, Any]) -> PlannedTrial:
             v.value if isinstance(v, Enum) else v)
         for k, v in point.items()
     }
+    hw: HardwareProfile = point["hardware"]
+    degrees = (point["world_size"], point["tp"], point["pp"], point["micro_batch"],
+               point["global_batch"], hw.gpus_per_node)
     try:
-        deg = derive_degrees(
-            point["world_size"], point["tp"], point["pp"], point["micro_batch"],
-            point["global_batch"],
-        )
-        reason = None
+        layout, reason = Layout.of(*degrees), None
     except InfeasibleTrial as err:
-        deg, reason = _lenient_degrees(point), str(err)
-    cfg = _trial_config(spec, point, deg)
+        layout, reason = Layout.lenient(*degrees), str(err)
+    cfg = _trial_config(spec, point, layout)
     if reason is None:
         try:
-            check_trial(spec, point, deg)
+            check_trial(spec, cfg)
         except InfeasibleTrial as err:
             reason = str(err)
     return PlannedTrial(axes=shown, config=cfg, reason=reason)
 
 
-def check_trial(spec: StudySpec, point: dict[str, Any], deg: Degrees) -> None:
-    model: NamedModel = point["model"]
-    hw: HardwareProfile = point["hardware"]
-    check_model_split(model.dims, deg.tp, deg.pp)
-    precision: Precision = point["precision"]
-    if precision not in hw.peak_tflops:
-        raise InfeasibleTrial(f"hardware {hw.name} has no {precision.value} peak figure")
-    if hw.kind == "cpu" and precision is Precision.fp16:
+def check_trial(spec: StudySpec, cfg: TrialConfig) -> None:
+    """What makes a trial of a valid spec unrunnable, beyond its degrees (checked by the layout)."""
+    hw = cfg.hardware_profile
+    cfg.layout.check_model(cfg.model_dims, cfg.seq_len)
+    if cfg.precision not in hw.peak_tflops:
+        raise InfeasibleTrial(f"hardware {hw.name} has no {cfg.precision.value} peak figure")
+    if hw.kind == "cpu" and cfg.precision is Precision.fp16:
         raise InfeasibleTrial("fp16 training needs a GPU; use bf16 or fp32 on CPU")
-    if model.dims.architecture == "gpt" and point["seq_len"] > model.dims.max_seq_len:
-        raise InfeasibleTrial(
-            f"seq_len {point['seq_len']} exceeds the learned positions ({model.dims.max_seq_len})"
-        )
-    if spec.backend is Backend.measure and deg.pp > 1:
+    if spec.backend is Backend.measure and cfg.pp > 1:
         raise InfeasibleTrial("pp > 1 is not supported by the measure backend (use simulate)")
     if spec.elastic is not None:
-        check_elastic(spec.elastic, deg)
+        check_elastic(spec.elastic, cfg.layout)
 
 
-def check_elastic(el: Elastic, deg: Degrees) -> None:
+def check_elastic(el: Elastic, layout: Layout) -> None:
     """Every world size the trial may run at must keep the global batch exactly."""
-    if not el.min_workers <= deg.world_size <= el.max_workers:
-        raise InfeasibleTrial(f"world_size {deg.world_size} outside elastic "
+    if not el.min_workers <= layout.world_size <= el.max_workers:
+        raise InfeasibleTrial(f"world_size {layout.world_size} outside elastic "
                               f"[{el.min_workers}, {el.max_workers}]")
     for w in range(el.min_workers, el.max_workers + 1):
         try:
-            derive_degrees(w, deg.tp, deg.pp, deg.micro_batch, deg.global_batch)
+            layout.resized(w)
         except InfeasibleTrial as err:
             raise InfeasibleTrial(
                 f"elastic world size {w} cannot keep the global batch: {err}; narrow "
@@ -378,7 +254,7 @@ def check_elastic(el: Elastic, deg: Degrees) -> None:
             ) from None
 
 
-def _trial_config(spec: StudySpec, point: dict[str, Any], deg: Degrees) -> TrialConfig:
+def _trial_config(spec: StudySpec, point: dict[str, Any], layout: Layout) -> TrialConfig:
     model: NamedModel = point["model"]
     hw: HardwareProfile = point["hardware"]
     return TrialConfig(
@@ -386,17 +262,18 @@ def _trial_config(spec: StudySpec, point: dict[str, Any], deg: Degrees) -> Trial
         backend=spec.backend,
         model=model.name,
         hardware=hw.name,
-        world_size=deg.world_size,
-        nodes=math.ceil(deg.world_size / hw.gpus_per_node),
-        dp=deg.dp,
-        tp=deg.tp,
-        pp=deg.pp,
+        world_size=layout.world_size,
+        nodes=layout.nodes,
+        dp=layout.dp,
+        tp=layout.tp,
+        pp=layout.pp,
         zero_stage=point["zero_stage"],
-        micro_batch=deg.micro_batch,
-        grad_accum=deg.grad_accum,
-        global_batch=deg.global_batch,
+        micro_batch=layout.micro_batch,
+        grad_accum=layout.grad_accum,
+        global_batch=layout.global_batch,
         seq_len=point["seq_len"],
-        precision=point["precision"],
+        precision=resolve_precision(point["precision"], hw),
+        precision_requested=point["precision"],
         activation_checkpointing=point["activation_checkpointing"],
         steps=spec.steps,
         seed=spec.seed,
@@ -406,6 +283,7 @@ def _trial_config(spec: StudySpec, point: dict[str, Any], deg: Degrees) -> Trial
         elastic=spec.elastic,
         model_dims=model.dims,
         hardware_profile=hw,
+        name_axes=spec.name_axes,
     )
 
 

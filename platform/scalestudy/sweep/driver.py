@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scalestudy.metrics import Status, TrialResult
-from scalestudy.spec.study import Backend, PlannedTrial, SearchAlgorithm, StudySpec, trial_name
+from scalestudy.spec.study import Backend, PlannedTrial, SearchAlgorithm, StudySpec
+from scalestudy.spec.trial import trial_name
 from scalestudy.sweep.feasibility import check_all
 from scalestudy.sweep.progress import SweepProgress
 from scalestudy.track.ledger import Ledger, ledger_path
@@ -55,7 +56,7 @@ class Recorder:
             return
         self._seen.add(result.trial_id)
         result_id = uuid.uuid4().hex
-        run_name = trial_name(result)
+        run_name = trial_name(result, self.spec.name_axes)
         self.ledger.append(result, result_id=result_id, sweep_id=self.sweep_id,
                            spec_hash=spec_hash(self.spec), experiment=self.spec.experiment,
                            mlflow_run_id=None)

@@ -12,7 +12,7 @@ from scalestudy.metrics import Status, TrialResult
 from scalestudy.spec.study import AXES, PlannedTrial, SearchAlgorithm, StudySpec, build_trial, resolve_point
 from scalestudy.sweep.progress import SweepProgress
 from scalestudy.sweep.trainable import RESULT_KEY, trial_trainable
-from scalestudy.train.launch import failure_reason
+from scalestudy.train.result import failure_reason
 
 # The trainable only waits on its TorchTrainer; Tune needs a non-empty bundle for it, and a CPU
 # share would starve the workers on a 2-core machine, so it reserves a little memory instead.

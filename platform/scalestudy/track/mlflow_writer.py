@@ -16,9 +16,10 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
+from scalestudy import metrics as M
 from scalestudy.metrics import Status, TrialResult
+from scalestudy.spec.trial import config_columns
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +181,8 @@ class MlflowWriter:
                   if k in CONFIG_PARAMS}
         params = [Param(k, str(v)) for k, v in config.items()]
         metrics = [Metric(k, v, now, 0) for k, v in result.scalar_metrics().items()]
-        metrics += [Metric("train/loss", v, now, i) for i, v in enumerate(result.losses)]
-        metrics += [Metric("train/step_time_s", v, now, i) for i, v in enumerate(result.step_times_s)]
+        metrics += [Metric(M.TRAIN_LOSS, v, now, i) for i, v in enumerate(result.losses)]
+        metrics += [Metric(M.TRAIN_STEP_TIME_S, v, now, i) for i, v in enumerate(result.step_times_s)]
         self.client.log_batch(run_id, metrics=metrics[:1000], params=params,
                               tags=[RunTag(k, v) for k, v in result.missing.items()][:100])
         self._log_artifacts(run_id, result)
@@ -203,7 +204,7 @@ class MlflowWriter:
             nan = float("nan")
             losses = [nan] * (n - len(result.losses)) + list(result.losses)
             timed = [nan] * (n - len(result.step_times_s)) + list(result.step_times_s)
-            table = pa.table({"step": list(range(n)), "loss": losses, "step_time_s": timed})
+            table = pa.table({"step": list(range(n)), "loss": losses, M.STEP_TIME_S: timed})
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "steps.parquet"
                 pq.write_table(table, path)
@@ -217,13 +218,5 @@ def experiment_ui_url(ui_base: str, experiment_id: str) -> str:
     return f"{ui_base.rstrip('/')}/#/experiments/{experiment_id}?workflowType=machine_learning"
 
 
-def _config_params() -> frozenset[str]:
-    from scalestudy.spec.study import TrialConfig
-
-    exclude = {"model_dims", "hardware_profile", "steps"}
-    names = set(TrialConfig.model_fields) - exclude
-    return frozenset(names | {"trial_id", "steps_warmup", "steps_measure", "steps_profile"})
-
-
-CONFIG_PARAMS: frozenset[str] = _config_params()
-
+# Every config column is an MLflow param (the precision a trial ran at included).
+CONFIG_PARAMS: frozenset[str] = frozenset(config_columns())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scalestudy.spec.study import trial_name
+from scalestudy.spec.trial import name_axes_of, trial_name
 from scalestudy.track.ledger import Ledger, ledger_path, row_to_result
 from scalestudy.track.mlflow_writer import MlflowWriter
 
@@ -22,6 +22,8 @@ def sync_mlflow(study: str, uri: str, results_root: Path = Path("results")) -> t
     by_experiment: dict[str, list[dict]] = {}
     for row in rows:
         by_experiment.setdefault(row.get("experiment") or study, []).append(row)
+    # Names show every axis the study swept, as the sweep named them (its spec is not stored).
+    axes = name_axes_of(rows)
     for experiment, exp_rows in by_experiment.items():
         writer = MlflowWriter(uri, experiment)
         present = writer.logged_result_ids()
@@ -37,7 +39,8 @@ def sync_mlflow(study: str, uri: str, results_root: Path = Path("results")) -> t
                     sweep_id, run_name=f"sync-{sweep_id}"
                 )
             result = row_to_result(row)
-            run_id = writer.log_trial(result, parents[sweep_id], row["result_id"], trial_name(result))
+            run_id = writer.log_trial(result, parents[sweep_id], row["result_id"],
+                                      trial_name(result, axes))
             if run_id is None:
                 return logged, writer.error
             ledger.update(result.trial_id, mlflow_run_id=run_id)

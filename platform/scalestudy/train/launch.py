@@ -1,4 +1,5 @@
-"""Run one trial for real: a Ray Train TorchTrainer with world_size DeepSpeed workers."""
+"""Run one trial for real: a Ray Train TorchTrainer with world_size DeepSpeed workers, each running
+the trial body (train/body.py) through the Ray Train adapter (train/worker.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,9 @@ import time
 import uuid
 from pathlib import Path
 
-from scalestudy import metrics as M
-from scalestudy.measure.energy import EnergyReading, energy_metrics
-from scalestudy.measure.throughput import throughput_metrics
-from scalestudy.metrics import CollectiveStats, Status, TrialResult
-from scalestudy.spec.study import TrialConfig
-from scalestudy.train.worker import SUMMARY_FILE, train_loop_per_worker
+from scalestudy.metrics import Status, TrialResult
+from scalestudy.spec.trial import TrialConfig
+from scalestudy.train.result import failure_reason, summarize
 
 # Ray Train v2's controller polls workers every 2 s by default, which adds ~2 s to each report and
 # to the end of every trial; 0.2 s costs nothing measurable on a trial and saves most of that.
@@ -39,20 +37,6 @@ def ensure_ray(verbose: bool = False, **init_kwargs) -> None:
     )
 
 
-def failure_reason(err: BaseException) -> str:
-    """First line of the root cause; out-of-memory gets its own reason so sweeps can count it."""
-    text = str(err)
-    cause = err
-    while cause.__cause__ is not None:
-        cause = cause.__cause__
-    root = str(cause) or type(cause).__name__
-    lines = [ln.strip() for ln in root.splitlines() if ln.strip()]
-    first = lines[-1] if "Traceback" in root and lines else (lines[0] if lines else type(cause).__name__)
-    if any(s in text for s in ("OutOfMemoryError", "CUDA out of memory", "out of memory")):
-        return f"oom: {first}"
-    return first
-
-
 def run_trial(
     cfg: TrialConfig,
     storage_path: Path,
@@ -67,6 +51,8 @@ def run_trial(
     step: the failure-path tests use it to fail a real trial on purpose."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+
+    from scalestudy.train.worker import SUMMARY_FILE, train_loop_per_worker
 
     t0 = time.time() if t0 is None else t0
     gpu = cfg.hardware_profile.kind == "gpu"
@@ -101,57 +87,3 @@ def run_trial(
             cfg, Status.failed, reason=failure_reason(err), wall_time_s=time.time() - t0
         )
     return summarize(cfg, summary, t0)
-
-
-def summarize(cfg: TrialConfig, summary: dict, t0: float) -> TrialResult:
-    step_times = summary["step_times_s"]
-    losses = summary["losses"]
-    world = summary.get("world_size", cfg.world_size)
-    ran = cfg if world == cfg.world_size else cfg.model_copy(update={  # an elastic trial's real size
-        "world_size": world, "dp": summary["dp"], "grad_accum": summary["grad_accum"]})
-    fields = throughput_metrics(ran, step_times)
-    first = summary.get("first_measured_step_wall")
-    missing: dict[str, str] = {}
-    reading = EnergyReading(summary["energy_j"], 0.0, {}, summary["energy_source"],
-                            summary.get("energy_reason"))
-    energy = energy_metrics(reading, cfg.tokens_per_step * len(step_times))
-    energy[M.POWER_W] = summary["power_w"]
-    if reading.source == "none":
-        for name in (M.ENERGY_J, M.POWER_W, M.ENERGY_PER_TOKEN_J, M.TOKENS_PER_J):
-            missing[name] = reading.reason or "no energy meter"
-    comm = {k: CollectiveStats(**v) for k, v in summary.get("comm", {}).items()}
-    if "comm_time_s" not in summary:
-        for name in (M.COMM_TIME_S, M.COMM_EXPOSED_S, M.COMM_EXPOSED_FRACTION):
-            missing[name] = "no profiled window (steps.profile = 0 or instrumentation off)"
-    gpu = cfg.hardware_profile.kind == "gpu" and summary.get("utilization_kind") == "NvmlUtilization"
-    util = {M.DEVICE_UTILIZATION_PCT if gpu else M.CPU_UTILIZATION_CORES: summary["utilization"]}
-    return TrialResult.from_config(
-        cfg,
-        Status.completed,
-        **fields,
-        **energy,
-        **util,
-        energy_source=reading.source,
-        comm=comm,
-        comm_time_s=summary.get("comm_time_s", M.NAN),
-        comm_exposed_s=summary.get("comm_exposed_s", M.NAN),
-        comm_exposed_fraction=summary.get("comm_exposed_fraction", M.NAN),
-        step_time_s_profiled=summary.get("step_time_s_profiled", M.NAN),
-        missing=missing,
-        peak_memory_gib=summary["peak_memory_gib"],
-        memory_source=summary["memory_source"],
-        loss_first=losses[0],
-        loss_last=losses[-1],
-        step_times_s=step_times,
-        losses=losses,
-        wall_time_s=time.time() - t0,
-        time_to_first_step_s=(first - t0) if first else M.NAN,
-        restarts=summary["restarts"],
-        resizes=summary["resizes"],
-        time_lost_s=summary["time_lost_s"],
-        extra={"deepspeed_config": summary["deepspeed_config"],
-               "comm_logger": summary.get("comm_logger", {}),
-               "comm_trace_device": summary.get("comm_trace_device"),
-               "shard_shapes": summary.get("shard_shapes"),
-               "final_world_size": world, "final_grad_accum": summary.get("grad_accum")},
-    )

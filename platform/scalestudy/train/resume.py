@@ -1,11 +1,12 @@
 """Checkpoint and resume of a trial's training loop: Ray Train fault tolerance and elastic resizes.
 
 Every `fault_tolerance.checkpoint_every` steps (between timed steps, never inside one) every rank
-saves its DeepSpeed checkpoint (ZeRO shards included) and reports it to Ray Train with the loop's
-state: the next step, the step times and losses so far, restarts, resizes and time lost. When Ray
-Train restarts the worker group (FailureConfig) or resizes an elastic one, the new workers find that
-checkpoint in `ray.train.get_checkpoint()`, load it and carry on from the saved step, so the timed
-window ends up with exactly `steps.measure` steps.
+saves its DeepSpeed checkpoint (ZeRO shards included) and hands it to the trial's reporter with the
+loop's state: the next step, the step times and losses so far, restarts, resizes and time lost.
+Under Ray Train the reporter reports it as a Ray Train checkpoint; when Ray Train restarts the worker
+group (FailureConfig) or resizes an elastic one, the new workers get it back from the reporter
+(`ray.train.get_checkpoint()`), load it and carry on from the saved step, so the timed window ends up
+with exactly `steps.measure` steps. No Ray here: the reporter is the adapter's (train/body.py).
 
 On a world-size change the DeepSpeed checkpoint is loaded module-only (ZeRO optimizer partitions
 are laid out for the old data-parallel size); the optimizer restarts from the saved weights, which
@@ -41,28 +42,22 @@ def wants_checkpoints(cfg) -> bool:
     return cfg.fault_tolerance.max_failures > 0 or cfg.elastic is not None
 
 
-def save(engine, state: LoopState, rank: int) -> None:
-    """All ranks: DeepSpeed checkpoint + loop state -> one Ray Train checkpoint."""
-    import ray.train
-
+def save(engine, state: LoopState, rank: int, reporter) -> None:
+    """All ranks: DeepSpeed checkpoint + loop state -> one checkpoint, through the reporter."""
     state.checkpoint_wall = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         engine.save_checkpoint(tmp, tag=TAG)
         if rank == 0:
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump(asdict(state), f)
-        ray.train.report({"checkpoint_step": state.next_step},
-                         checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        reporter.save_checkpoint(tmp, state.next_step)
 
 
-def restore(engine, world_size: int) -> LoopState:
+def restore(engine, world_size: int, reporter) -> LoopState:
     """The saved state when this attempt follows a failure or resize, else a fresh one."""
-    import ray.train
-
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return LoopState(world_size=world_size)
-    with checkpoint.as_directory() as d:
+    with reporter.latest_checkpoint() as d:
+        if d is None:
+            return LoopState(world_size=world_size)
         with open(os.path.join(d, STATE_FILE)) as f:
             state = LoopState(**json.load(f))
         same = state.world_size == world_size

@@ -51,10 +51,12 @@ def measure_step_s(precision: str, steps: int) -> float:
     import torch.distributed as dist
 
     from scalestudy.parallel.deepspeed_config import deepspeed_config
-    from scalestudy.train.data import global_batch, micro_batch_slice
+    from scalestudy.train.data import global_batch
     from scalestudy.train.model_factory import build_model
 
     cfg = reference_config(precision, dist.get_world_size())
+    layout = cfg.layout
+    rows = layout.batch_rows(0, layout.coords(dist.get_rank())[0])
     model = build_model(cfg.model_dims, cfg.seed)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=deepspeed_config(cfg))
@@ -62,7 +64,7 @@ def measure_step_s(precision: str, steps: int) -> float:
     for step in range(WARMUP_STEPS + steps):
         t = time.perf_counter()
         batch = global_batch(step, cfg.global_batch, cfg.seq_len, cfg.model_dims.vocab_size, cfg.seed)
-        ids = micro_batch_slice(batch, 0, dist.get_rank(), cfg.dp, cfg.micro_batch)
+        ids = batch[rows]
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
         times.append(time.perf_counter() - t)

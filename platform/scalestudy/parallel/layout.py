@@ -1,0 +1,185 @@
+"""THE layout of a trial: world, dp, tp, pp, micro-batch, accumulation, global batch, nodes.
+
+The only place in scalestudy that divides a world or a batch. Every consumer asks it: the spec's
+expansion (degrees, nodes, infeasibility reasons), the elastic resize, the DeepSpeed config, the
+trial body (process grid, which rows of the global batch a rank trains on), the performance model
+(placement of each process group over nodes) and the analysis fixtures.
+
+As in torchtitan's ParallelDims, the degrees are checked once, here, with one-line reasons; as in
+picotron, every process group comes from one grid `arange(world).view(dp, pp, tp)` (tp innermost):
+a tp group is tp consecutive ranks (inside a node while tp <= devices per node), pipeline neighbours
+are tp ranks apart, a dp group strides tp * pp ranks. Ranks fill nodes in order (rank // devices
+per node), as Ray Train and torchrun place them.
+
+Pure Python, importing nothing else of scalestudy but its error types: the sweep, the workers and
+the performance model all agree on one layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol
+
+from scalestudy.errors import InfeasibleTrial
+
+GRID_AXES = ("dp", "pp", "tp")  # the grid's dimensions, outermost first
+
+
+class ModelShape(Protocol):
+    """What the layout needs to know of a model (spec.catalog.ModelDims has it)."""
+
+    architecture: str
+    num_layers: int
+    num_heads: int
+    max_seq_len: int
+
+    @property
+    def kv_heads(self) -> int: ...
+
+    @property
+    def ffn(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    devices_per_node: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "dp", "tp", "pp", "micro_batch", "grad_accum", "global_batch",
+                     "devices_per_node"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+
+    # --- construction -------------------------------------------------------------------------
+    @classmethod
+    def of(cls, world_size: int, tp: int = 1, pp: int = 1, micro_batch: int = 1,
+           global_batch: int | None = None, devices_per_node: int = 1) -> Layout:
+        """The layout, or InfeasibleTrial naming what does not divide. global_batch None is weak
+        scaling (every dp rank adds one micro-batch); an int is strong scaling (accumulation makes
+        it up, so it must divide by micro_batch * dp)."""
+        if world_size % (tp * pp):
+            raise InfeasibleTrial(
+                f"world_size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}")
+        dp = world_size // (tp * pp)
+        if global_batch is None:
+            return cls(world_size, dp, tp, pp, micro_batch, 1, micro_batch * dp, devices_per_node)
+        if global_batch % (micro_batch * dp):
+            raise InfeasibleTrial(
+                f"global_batch {global_batch} is not divisible by micro_batch*dp = "
+                f"{micro_batch}*{dp} = {micro_batch * dp}")
+        return cls(world_size, dp, tp, pp, micro_batch, global_batch // (micro_batch * dp),
+                   global_batch, devices_per_node)
+
+    @classmethod
+    def lenient(cls, world_size: int, tp: int = 1, pp: int = 1, micro_batch: int = 1,
+                global_batch: int | None = None, devices_per_node: int = 1) -> Layout:
+        """A layout for a point that may not divide (rounded down, at least 1), so an infeasible
+        trial is still recorded with every config column of the schema. Never run one."""
+        try:
+            return cls.of(world_size, tp, pp, micro_batch, global_batch, devices_per_node)
+        except InfeasibleTrial:
+            pass
+        dp = max(world_size // (tp * pp), 1)
+        gb = global_batch or micro_batch * dp
+        return cls(world_size, dp, tp, pp, micro_batch, max(gb // (micro_batch * dp), 1), gb,
+                   devices_per_node)
+
+    def resized(self, world_size: int) -> Layout:
+        """The same trial on another world size at the same global batch (an elastic trial's
+        attempt): accumulation absorbs the change, or InfeasibleTrial says why it cannot."""
+        return Layout.of(world_size, self.tp, self.pp, self.micro_batch, self.global_batch,
+                         self.devices_per_node)
+
+    # --- checks -------------------------------------------------------------------------------
+    def check_model(self, model: ModelShape, seq_len: int) -> None:
+        """Tensor parallelism splits heads, KV heads and the FFN width; pipeline stages split
+        layers; no architecture runs a sequence longer than its positions (learned for GPT, the
+        rotary range the model was configured with for Llama)."""
+        for field, size in (("num_heads", model.num_heads), ("num_kv_heads", model.kv_heads),
+                            ("ffn_hidden_size", model.ffn)):
+            if size % self.tp:
+                raise InfeasibleTrial(f"tp {self.tp} does not divide {field} {size}")
+        if model.num_layers % self.pp:
+            raise InfeasibleTrial(f"pp {self.pp} does not divide num_layers {model.num_layers}")
+        if seq_len > model.max_seq_len:
+            what = "the learned positions" if model.architecture == "gpt" else "the model's max_seq_len"
+            raise InfeasibleTrial(f"seq_len {seq_len} exceeds {what} ({model.max_seq_len})")
+
+    # --- nodes --------------------------------------------------------------------------------
+    @property
+    def nodes(self) -> int:
+        """Nodes the world occupies (a partly filled last node counts)."""
+        return math.ceil(self.world_size / self.devices_per_node)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.world_size, self.devices_per_node)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
+    # --- the process grid ---------------------------------------------------------------------
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp_rank, pp_rank, tp_rank) of a global rank."""
+        return rank // (self.pp * self.tp), (rank // self.tp) % self.pp, rank % self.tp
+
+    def rank(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
+
+    def grid(self) -> list[list[list[int]]]:
+        """`arange(world).view(dp, pp, tp)` as nested lists."""
+        return [[[self.rank(d, p, t) for t in range(self.tp)] for p in range(self.pp)]
+                for d in range(self.dp)]
+
+    def tp_groups(self) -> list[list[int]]:
+        return [[self.rank(d, p, t) for t in range(self.tp)]
+                for d in range(self.dp) for p in range(self.pp)]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [[self.rank(d, p, t) for d in range(self.dp)]
+                for p in range(self.pp) for t in range(self.tp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [[self.rank(d, p, t) for p in range(self.pp)]
+                for d in range(self.dp) for t in range(self.tp)]
+
+    def group_of(self, axis: str, rank: int = 0) -> list[int]:
+        """The ranks of `rank`'s group along one grid axis ("dp", "pp" or "tp")."""
+        d, p, t = self.coords(rank)
+        if axis == "tp":
+            return [self.rank(d, p, i) for i in range(self.tp)]
+        if axis == "pp":
+            return [self.rank(d, i, t) for i in range(self.pp)]
+        if axis == "dp":
+            return [self.rank(i, p, t) for i in range(self.dp)]
+        raise ValueError(f"axis must be one of {', '.join(GRID_AXES)}, got {axis!r}")
+
+    def group_placement(self, axis: str) -> tuple[int, int, int]:
+        """(n ranks, ranks per node, nodes) of rank 0's group along `axis`: what a collective over
+        that group crosses. Every group of an axis has the same shape when tp * pp and the
+        devices per node divide one another, as on every cluster we model."""
+        return _placement(self, axis)
+
+    # --- data ---------------------------------------------------------------------------------
+    def batch_rows(self, micro_step: int, dp_rank: int) -> slice:
+        """Rows of the global batch that dp rank `dp_rank` trains on at accumulation micro-step
+        `micro_step`: any layout of the same global batch trains on exactly the same rows."""
+        first = (micro_step * self.dp + dp_rank) * self.micro_batch
+        return slice(first, first + self.micro_batch)
+
+
+@functools.lru_cache(maxsize=4096)
+def _placement(layout: Layout, axis: str) -> tuple[int, int, int]:
+    members = layout.group_of(axis, 0)
+    per_node = Counter(layout.node_of(r) for r in members)
+    return len(members), max(per_node.values()), len(per_node)

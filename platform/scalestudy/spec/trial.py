@@ -1,0 +1,264 @@
+"""One point of a study (TrialConfig): the config columns of every result, its identity and its name.
+
+TrialConfig owns the config columns. The result schema (metrics.TrialResult) derives its config
+fields from `config_columns()`, the ledger and MLflow store `config_fields()`, and a row comes back as
+a TrialConfig through `config_from_row`, the one way back for the ledger, the fit and the analysis.
+TRIAL_KEY is the design point a row measured or predicted, independent of how (backend, profile,
+steps): the columns that pair a prediction with its measurement.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import typing
+from collections.abc import Iterable, Mapping
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+from scalestudy.parallel.layout import Layout
+from scalestudy.spec import catalog
+from scalestudy.spec.catalog import HardwareProfile, ModelDims, Precision
+from scalestudy.spec.errors import SpecError
+from scalestudy.spec.precision import PrecisionChoice
+
+
+class Backend(str, Enum):
+    measure = "measure"
+    simulate = "simulate"
+
+
+class Steps(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    warmup: int = Field(3, ge=0)
+    measure: PositiveInt = 10
+    profile: int = Field(3, ge=0)  # profiled window after the timed one (communication, overlap)
+
+
+class FaultTolerance(BaseModel):
+    """Ray Train restarts of a trial's worker group, resuming from its last DeepSpeed checkpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_failures: int = Field(0, ge=0)  # FailureConfig(max_failures): worker-group restarts per trial
+    # Steps between checkpoints once max_failures > 0 or the trial is elastic (each costs a
+    # checkpoint write and a ray.train.report, outside the timed steps).
+    checkpoint_every: PositiveInt = 5
+
+
+class Elastic(BaseModel):
+    """Ray Train elastic scaling: the trial runs with any world size in [min_workers, max_workers]
+    that the cluster holds, keeping the global batch by recomputing gradient accumulation."""
+
+    model_config = ConfigDict(extra="forbid")
+    min_workers: PositiveInt
+    max_workers: PositiveInt
+    # How often a running trial checks whether the cluster could hold more workers (Ray Train's
+    # elastic_resize_monitor_interval_s); growing restarts the group from the last checkpoint.
+    resize_check_s: PositiveFloat = 60.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Elastic:
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers {self.min_workers} exceeds max_workers {self.max_workers}")
+        return self
+
+
+# The axes a study sweeps, in expansion order. A row's values of them (global_batch and precision
+# as resolved) are the design point it measured: the trial-identity key.
+AXES = (
+    "model", "hardware", "seq_len", "precision", "world_size", "zero_stage", "tp", "pp",
+    "micro_batch", "global_batch", "activation_checkpointing",
+)
+TRIAL_KEY: tuple[str, ...] = AXES
+
+# TrialConfig fields that are not flat config columns: nested objects (their scalars are flattened
+# into steps_* or come back from the catalogues by name) and how the trial is named in its study.
+_NOT_COLUMNS = frozenset({"model_dims", "hardware_profile", "steps", "fault_tolerance", "elastic",
+                          "name_axes"})
+# Fields that do not change what a trial measures, so not its identity: the study it belongs to,
+# how it survives faults, the precision as written in the spec (the resolved one is hashed) and
+# the axes its name shows.
+_NOT_HASHED = frozenset({"study", "fault_tolerance", "precision_requested", "name_axes"})
+
+
+class TrialConfig(BaseModel):
+    """One point of a study: the config columns of every TrialResult."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    study: str
+    backend: Backend
+    model: str
+    hardware: str
+    world_size: int
+    nodes: int
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    seq_len: int
+    precision: Precision  # the precision the trial runs at (auto resolved, spec/precision.py)
+    # As the spec wrote it (auto, or a precision); None in ledgers written before auto existed.
+    precision_requested: PrecisionChoice | None = None
+    activation_checkpointing: bool
+    steps: Steps
+    seed: int
+    learning_rate: float
+    trial_timeout_s: float
+    fault_tolerance: FaultTolerance = FaultTolerance()
+    elastic: Elastic | None = None
+    model_dims: ModelDims
+    hardware_profile: HardwareProfile
+    # Axes beyond the layout that the trial's name shows, because its study sweeps them.
+    name_axes: tuple[str, ...] = ()
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @property
+    def layout(self) -> Layout:
+        """The trial's layout (for an infeasible point, the rounded-down one it was recorded with)."""
+        return Layout(self.world_size, self.dp, self.tp, self.pp, self.micro_batch, self.grad_accum,
+                      self.global_batch, self.hardware_profile.gpus_per_node)
+
+    @property
+    def trial_id(self) -> str:
+        """Stable hash of everything that defines what the trial measures (not its study)."""
+        payload = self.model_dump(mode="json", exclude=set(_NOT_HASHED))
+        if self.elastic is None:  # elastic bounds change the trial; their absence keeps old ids
+            payload.pop("elastic")
+        blob = json.dumps(payload, sort_keys=True).encode()
+        return hashlib.sha1(blob).hexdigest()[:12]
+
+    @property
+    def run_name(self) -> str:
+        return trial_name(self, self.name_axes)
+
+    def config_fields(self) -> dict[str, Any]:
+        """Flat, scalar config columns (what the ledger, MLflow params and tables show)."""
+        d = self.model_dump(mode="json", include=set(config_columns()) - {"trial_id"})
+        d["trial_id"] = self.trial_id
+        d.update({f"steps_{k}": v for k, v in self.steps.model_dump().items()})
+        return {k: d[k] for k in config_columns()}
+
+
+def _column_type(annotation: Any) -> Any:
+    """A field's type as a column holds it: enums as their string values."""
+    args = typing.get_args(annotation)
+    if args:
+        return typing.Union[tuple(_column_type(a) for a in args)]  # noqa: UP007 - built at runtime
+    return str if isinstance(annotation, type) and issubclass(annotation, Enum) else annotation
+
+
+@functools.cache
+def config_columns() -> dict[str, tuple[Any, Any]]:
+    """Config column -> (type, default) in schema order: TrialConfig's scalar fields, its trial_id
+    after the study, and the steps flattened. The result schema is built from this."""
+    cols: dict[str, tuple[Any, Any]] = {}
+    for name, info in TrialConfig.model_fields.items():
+        if name in _NOT_COLUMNS:
+            continue
+        default = ... if info.is_required() else info.default
+        cols[name] = (_column_type(info.annotation), default)
+        if name == "study":
+            cols["trial_id"] = (str, ...)
+    for name, info in Steps.model_fields.items():
+        cols[f"steps_{name}"] = (int, ...)
+    return cols
+
+
+def _getter(row: Mapping[str, Any] | Any):
+    if isinstance(row, Mapping):
+        return row.get
+    return lambda key, default=None: getattr(row, key, default)
+
+
+def trial_key(row: Mapping[str, Any] | Any) -> tuple:
+    """The design point of a config, result or ledger row (TRIAL_KEY's values)."""
+    get = _getter(row)
+    return tuple(getattr(v, "value", v) for v in (get(k) for k in TRIAL_KEY))
+
+
+def config_from_row(row: Mapping[str, Any] | Any, hardware: HardwareProfile | None = None
+                    ) -> TrialConfig:
+    """The TrialConfig a result (or its ledger/MLflow row) was produced from. Model dimensions come
+    back from the catalogue by name, the hardware profile from the catalogue or `hardware`; a row
+    of anything else cannot be rebuilt (SpecError naming it)."""
+    get = _getter(row)
+    model = get("model")
+    if model not in catalog.model_names():
+        raise SpecError("model", model, "only catalogue models can be rebuilt from a result row")
+    if hardware is None:
+        if get("hardware") not in catalog.hardware_names():
+            raise SpecError("hardware", get("hardware"), "not in the catalogue; give its profile")
+        hardware = catalog.get_hardware(get("hardware"))
+    fields = {k: get(k) for k in config_columns() if k in TrialConfig.model_fields}
+    fields = {k: v for k, v in fields.items() if v is not None and v == v}  # NaN: a missing cell
+    steps = {k: int(get(f"steps_{k}")) for k in Steps.model_fields if get(f"steps_{k}") is not None}
+    fields.update(hardware=hardware.name, hardware_profile=hardware,
+                  model_dims=catalog.get_model(model), steps=Steps(**steps))
+    return TrialConfig(**fields)
+
+
+# How each axis beyond the layout shows in a name: (prefix?, format).
+_NAME_PARTS = {
+    "model": (True, "{}"), "hardware": (True, "{}"), "seq_len": (False, "s{}"),
+    "precision": (False, "{}"), "global_batch": (False, "gb{}"),
+    "activation_checkpointing": (False, "ac{:d}"),
+}
+LAYOUT_NAME_AXES = ("world_size", "tp", "pp", "zero_stage", "micro_batch")
+
+
+def trial_name(t: Mapping[str, Any] | Any, name_axes: Iterable[str] = ()) -> str:
+    """Short human name of a trial (`ws2-tp1-z3-mb2`), for a TrialConfig, a TrialResult or a row.
+
+    The layout always shows (pp and accumulation when above 1); every other axis in `name_axes`
+    (those its study sweeps, see `name_axes_of`) shows too, so no two trials of a study share a
+    name: `llama2-7b-ws8-tp1-z3-mb1-ac1`."""
+    raw = _getter(t)
+
+    def get(key: str) -> Any:  # a float column of whole numbers (pandas, MLflow) prints as an int
+        v = raw(key)
+        return int(v) if isinstance(v, float) and v.is_integer() else v
+
+    name = f"ws{get('world_size')}-tp{get('tp')}" + (f"-pp{get('pp')}" if get("pp") > 1 else "")
+    name += f"-z{get('zero_stage')}-mb{get('micro_batch')}"
+    name += f"-ga{get('grad_accum')}" if (get("grad_accum") or 1) > 1 else ""
+    chosen = set(name_axes)
+    before, after = [], []
+    for axis, (prefix, fmt) in _NAME_PARTS.items():
+        if axis in chosen:
+            value = get(axis)
+            (before if prefix else after).append(fmt.format(getattr(value, "value", value)))
+    return "-".join([*before, name, *after])
+
+
+def name_axes_of(rows: Iterable[Mapping[str, Any] | Any]) -> tuple[str, ...]:
+    """The axes beyond the layout that take more than one value among a study's rows: what its
+    trials' names must show. (StudySpec.name_axes says the same from the spec.)"""
+    rows = list(rows)
+    return tuple(a for a in _NAME_PARTS
+                 if len({trial_key(r)[TRIAL_KEY.index(a)] for r in rows}) > 1)
+
+
+class PlannedTrial(BaseModel):
+    """A trial as expanded from the grid: its config, and why it cannot run when it cannot.
+
+    Infeasible points keep a config (derived values rounded down) so their results share the
+    schema of every other trial."""
+
+    model_config = ConfigDict(frozen=True)
+    axes: dict[str, Any]
+    config: TrialConfig
+    reason: str | None = None
+
+    @property
+    def feasible(self) -> bool:
+        return self.reason is None

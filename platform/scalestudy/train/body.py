@@ -1,0 +1,287 @@
+"""The trial body: one trial on every rank of an initialised process group, with no Ray in it.
+
+    summary = run_body(cfg, reporter)      # on each rank; rank 0 gets the summary, others None
+
+build (model, DeepSpeed engine, this attempt's layout) -> warm-up steps -> timed window -> profiled
+window -> one reduction across ranks -> rank 0's summary, handed to the reporter. The adapters start
+the processes and the process group and say where checkpoints and the summary go: Ray Train
+(train/worker.py) or torchrun (train/local.py); both use train/process.py to set a rank up.
+
+Nothing in the timed window syncs the host except the one device synchronisation that closes each
+step's timer; losses stay on the device until the end. The profiled window comes after the timed
+one, so profiling never perturbs throughput. Checkpoints (fault tolerance, elastic resizes) are taken
+between steps, never inside one (train/resume.py).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from scalestudy.measure.energy import EnergyReading, NoMeter, make_meter, reduce_energy_across_ranks
+from scalestudy.measure.memory import peak_memory_gib, reset_peak
+from scalestudy.measure.profiled_window import reduce_across_ranks, run_profiled_window
+from scalestudy.measure.utilization import make_utilization
+from scalestudy.parallel.deepspeed_config import deepspeed_config
+from scalestudy.parallel.layout import Layout
+from scalestudy.spec.trial import TrialConfig
+from scalestudy.train import resume
+from scalestudy.train.data import global_batch
+from scalestudy.train.model_factory import build_model
+from scalestudy.train.process import device_for, sync
+
+SHARD_PROBES = ("layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight")
+
+
+class Reporter(Protocol):
+    """Where a trial's checkpoints and summary go (the adapter's side of the body)."""
+
+    local_rank: int  # this rank's index on its node (its GPU, its energy meter's owner)
+    keeps_checkpoints: bool  # False: fault tolerance has nowhere to resume from, so no saves
+
+    def save_checkpoint(self, directory: str, step: int) -> None:
+        """Every rank, with the directory it wrote its part of the checkpoint to."""
+
+    def latest_checkpoint(self) -> AbstractContextManager[str | None]:
+        """The directory of the checkpoint to resume from, None on a fresh start."""
+
+    def report_summary(self, summary: dict[str, Any] | None) -> None:
+        """Every rank, once at the end: rank 0 with the summary, the others with None."""
+
+
+@dataclass
+class Trial:
+    """One rank's built trial: what every window needs."""
+
+    cfg: TrialConfig
+    layout: Layout  # this attempt's: the trial's own, or an elastic trial's resized one
+    engine: Any
+    device: torch.device
+    rank: int
+    ds_config: dict[str, Any]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.coords(self.rank)[0]
+
+    def step(self, step: int) -> torch.Tensor:
+        """One optimizer step over the layout's micro-batches; the mean loss, left on the device."""
+        cfg, lay = self.cfg, self.layout
+        batch = global_batch(step, lay.global_batch, cfg.seq_len, cfg.model_dims.vocab_size, cfg.seed)
+        total = torch.zeros((), device=self.device)
+        for k in range(lay.grad_accum):
+            ids = batch[lay.batch_rows(k, self.dp_rank)].to(self.device)
+            loss = self.engine(input_ids=ids, labels=ids).loss
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.detach().float()
+        return total / lay.grad_accum
+
+
+def build(cfg: TrialConfig, device: torch.device) -> Trial:
+    """Model and DeepSpeed engine at the layout of the world this attempt was given (an elastic
+    trial may get another size than it asked for; the spec check made sure it divides)."""
+    import deepspeed
+
+    layout = cfg.layout.resized(dist.get_world_size())
+    ds_config = deepspeed_config(cfg, layout)
+    model = build_model(cfg.model_dims, cfg.seed, cfg.activation_checkpointing)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config)
+    trial = Trial(cfg, layout, engine, device, dist.get_rank(), ds_config)
+    if layout.tp > 1:
+        _check_tp_group(trial)
+    return trial
+
+
+def _check_tp_group(trial: Trial) -> None:
+    """DeepSpeed builds its own TP groups; refuse to measure if they differ from the layout's."""
+    from deepspeed.utils import groups
+
+    ours = trial.layout.group_of("tp", trial.rank)
+    theirs = dist.get_process_group_ranks(groups.get_tensor_model_parallel_group())
+    if sorted(theirs) != ours:
+        raise RuntimeError(f"DeepSpeed TP group {theirs} differs from the layout's {ours}")
+
+
+@dataclass
+class Meters:
+    """Energy and utilisation over the timed window, read once at each end of it."""
+
+    energy: Any
+    utilization: Any
+
+    @classmethod
+    def make(cls, cfg: TrialConfig, local_rank: int, instrument: bool) -> Meters:
+        kind = cfg.hardware_profile.kind
+        energy = (make_meter(kind, local_rank=local_rank) if instrument
+                  else NoMeter("instrumentation disabled for this run"))
+        return cls(energy, make_utilization(kind))
+
+    def start(self) -> None:
+        reset_peak()
+        self.energy.start()
+        self.utilization.start()
+
+
+@dataclass
+class Window:
+    """The step loop's state across its windows: the loop state that checkpoints carry, this
+    attempt's losses (restored floats, then device tensors) and where faults are injected."""
+
+    state: resume.LoopState
+    losses: list
+    checkpoints: bool
+    fault_step: int | None
+
+
+def run_steps(trial: Trial, steps: range, w: Window, reporter: Reporter, timed: bool) -> None:
+    """Steps of one window; after a step, the checkpoint that is due before the next one."""
+    cfg = trial.cfg
+    n_steps = cfg.steps.warmup + cfg.steps.measure
+    every = cfg.fault_tolerance.checkpoint_every
+    for step in steps:
+        if step == w.fault_step and w.state.restarts == 0:
+            raise RuntimeError(f"injected fault at step {step} ({cfg.run_name})")
+        sync(trial.device)
+        t = time.perf_counter()
+        w.losses.append(trial.step(step))
+        sync(trial.device)
+        if timed:
+            w.state.step_times_s.append(time.perf_counter() - t)
+        following = step + 1
+        if w.checkpoints and following % every == 0 and following < n_steps:
+            w.state.next_step, w.state.losses = following, [float(x) for x in w.losses]
+            resume.save(trial.engine, w.state, trial.rank, reporter)
+
+
+def warmup_and_timed_window(trial: Trial, reporter: Reporter, meters: Meters,
+                            fault_step: int | None) -> Window:
+    """Warm-up steps, then the timed window with the meters running; a restarted attempt resumes
+    at its checkpoint's step, in whichever window that was."""
+    cfg = trial.cfg
+    checkpoints = resume.wants_checkpoints(cfg) and reporter.keeps_checkpoints
+    world = trial.layout.world_size
+    state = (resume.restore(trial.engine, world, reporter) if checkpoints
+             else resume.LoopState(world_size=world))
+    w = Window(state, list(state.losses), checkpoints, fault_step)
+    start, warmup = state.next_step, cfg.steps.warmup
+    run_steps(trial, range(start, warmup), w, reporter, timed=False)
+    meters.start()
+    if state.first_measured_wall is None:
+        state.first_measured_wall = time.time()
+    run_steps(trial, range(max(warmup, start), warmup + cfg.steps.measure), w, reporter, timed=True)
+    return w
+
+
+def profiled_window(trial: Trial) -> dict[str, Any]:
+    """Communication and overlap from a profiled window after the timed one (summary fields)."""
+    cfg = trial.cfg
+    n_steps = cfg.steps.warmup + cfg.steps.measure
+    pw = run_profiled_window(lambda s: trial.step(n_steps + s), cfg.steps.profile,
+                             world_size=dist.get_world_size(), device=trial.device)
+    return reduce_across_ranks(pw, trial.device).summary()
+
+
+def _all_reduce(values: list[float], op, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t
+
+
+def reduce_meters(trial: Trial, w: Window, meters: Meters, local_rank: int) -> dict[str, Any]:
+    """The meters' readings of the timed window: energy summed per node, utilisation averaged
+    over ranks."""
+    device, world = trial.device, dist.get_world_size()
+    sync(device)
+    energy = reduce_energy_across_ranks(meters.energy.stop(), local_rank, device)
+    if w.state.restarts and energy.source != "none":
+        energy = EnergyReading(float("nan"), 0.0, source="none",
+                               reason="trial restarted mid-window: the meter saw only part of it")
+    util = list(meters.utilization.stop().values())
+    util_mean = sum(util) / len(util) if util else float("nan")
+    return {
+        "utilization": float(_all_reduce([util_mean], dist.ReduceOp.SUM, device).item()) / world,
+        "utilization_kind": type(meters.utilization).__name__,
+        "energy_j": energy.energy_j,
+        "power_w": energy.power_w,
+        "energy_source": energy.source,
+        "energy_reason": energy.reason,
+    }
+
+
+def reduce_steps(trial: Trial, w: Window) -> dict[str, Any]:
+    """One reduction after the windows: the slowest rank sets each step's time, losses average
+    over ranks, peak memory is the largest rank's."""
+    device, world = trial.device, dist.get_world_size()
+    losses = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device) for x in w.losses])
+    dist.all_reduce(losses, op=dist.ReduceOp.SUM)
+    peak, source = peak_memory_gib()
+    return {
+        "step_times_s": _all_reduce(w.state.step_times_s, dist.ReduceOp.MAX, device).cpu().tolist(),
+        "losses": (losses / world).cpu().tolist(),
+        "peak_memory_gib": float(_all_reduce([peak], dist.ReduceOp.MAX, device).item()),
+        "memory_source": source,
+    }
+
+
+def _gather_shard_shapes(module) -> list[dict[str, list[int]]]:
+    """Per rank, the local shape of a column-split and a row-split weight (ZeRO-3 keeps the
+    unpartitioned local shape in `ds_shape`)."""
+    mine = {}
+    for name, p in module.named_parameters():
+        for probe in SHARD_PROBES:
+            if name.endswith(probe):
+                mine[probe] = list(getattr(p, "ds_shape", p.shape))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def summary_of(trial: Trial, w: Window, *parts: dict[str, Any]) -> dict[str, Any]:
+    """The trial's summary: what train/result.py turns into a TrialResult."""
+    lay, state = trial.layout, w.state
+    return {
+        **reduce_steps(trial, w),
+        "first_measured_step_wall": state.first_measured_wall,
+        "world_size": lay.world_size,
+        "dp": lay.dp,
+        "grad_accum": lay.grad_accum,
+        "restarts": state.restarts,
+        "resizes": state.resizes,
+        "time_lost_s": state.time_lost_s,
+        "shard_shapes": _gather_shard_shapes(trial.engine.module),
+        "deepspeed_config": trial.ds_config,
+        **{k: v for part in parts for k, v in part.items()},
+    }
+
+
+def fault_step(spec: str | None, run_name: str) -> int | None:
+    """'RUN_NAME@STEP' (or '*@STEP'), comma-separated -> STEP when one names this trial."""
+    for item in (spec or "").split(","):
+        name, _, step = item.partition("@")
+        if item and name in (run_name, "*"):
+            return int(step or 0)
+    return None
+
+
+def run_body(cfg: TrialConfig, reporter: Reporter, *, fault: str | None = None,
+             instrument: bool = True) -> dict[str, Any] | None:
+    """Run the trial on this rank (torch.distributed is up, see train/process.py). Every rank
+    reports; rank 0 returns the summary, the others None. `fault` makes rank 0 raise at a step
+    (the failure-path tests fail a real trial with it)."""
+    trial = build(cfg, device_for(cfg, reporter.local_rank))
+    meters = Meters.make(cfg, reporter.local_rank, instrument)
+    injected = fault_step(fault, cfg.run_name) if trial.rank == 0 else None
+    w = warmup_and_timed_window(trial, reporter, meters, injected)
+    meter_readings = reduce_meters(trial, w, meters, reporter.local_rank)
+    profiled = profiled_window(trial) if instrument and cfg.steps.profile else {}
+    summary = summary_of(trial, w, meter_readings, profiled)
+    mine = summary if trial.rank == 0 else None
+    reporter.report_summary(mine)
+    return mine
