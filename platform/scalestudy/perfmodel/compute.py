@@ -20,7 +20,8 @@ Algorithm (per transformer block, after the tensor-parallel split):
     written / (HBM bandwidth * hbm_efficiency). Eager PyTorch runs each op as its own kernel, so every
     op reads and writes its whole tensor: the pass counts below follow HF Llama's eager code.
   * Backward = 2x the forward GEMMs (input and weight gradients have the forward's shapes) and 2x the
-    memory-bound traffic. Full activation checkpointing runs the forward once more before backward.
+    memory-bound traffic. Full activation checkpointing runs the forward once more before backward
+    (a selective scheme a share of it, params.recompute_fraction).
   * LM head (T x h x V/tp GEMM) and the fp32 cross-entropy on the logits run on the last stage, which
     is therefore the slowest one and sets the pipeline's pace. The loss is memory-bound (three fp32
     passes forward, twice that backward) unless the profile measured it (`cross_entropy_s_<precision>`
@@ -169,10 +170,11 @@ def _rows(hw: HardwareProfile, key: str) -> list[list[float]] | None:
 def _layer_gemms(d: _Device, dims: ModelDims, tokens: float, tp: int) -> float:
     h, f = dims.hidden_size, dims.ffn
     kv = dims.kv_heads * dims.head_dim
-    t = d.gemm(tokens, h, h / tp) + 2 * d.gemm(tokens, h, kv / tp)  # q, k, v projections
+    # One call per GEMM: each call also counts the FLOPs and bytes the invariants hold the step to.
+    t = d.gemm(tokens, h, h / tp) + d.gemm(tokens, h, kv / tp) + d.gemm(tokens, h, kv / tp)  # q, k, v
     t += d.gemm(tokens, h / tp, h)  # output projection (row-parallel)
     if dims.architecture == "llama":
-        t += 2 * d.gemm(tokens, h, f / tp) + d.gemm(tokens, f / tp, h)  # gate, up, down
+        t += d.gemm(tokens, h, f / tp) + d.gemm(tokens, h, f / tp) + d.gemm(tokens, f / tp, h)
     else:
         t += d.gemm(tokens, h, f / tp) + d.gemm(tokens, f / tp, h)  # fc1, fc2
     return t
@@ -235,7 +237,8 @@ def compute_times(cfg: TrialConfig, p: ModelParams) -> ComputeTimes:
     d.flops = d.moved = 0.0
     head_gemm = d.gemm(tokens, dims.hidden_size, dims.vocab_size / tp)
     loss_f, loss_b = d.loss(tokens, dims.vocab_size / tp)
-    fwds = 2 if cfg.activation_checkpointing else 1  # the recompute runs the forward again
+    redo = p.recompute_fraction if cfg.activation_checkpointing else 0.0
+    fwds = 1 + redo  # the recompute runs (that share of) the forward again
     flops = (layers * ((fwds + 2) * block_flops + (fwds + attn_bwd) * attn_flops)
              + 3 * d.flops)  # LM head: forward + its two backward GEMMs
     moved = layers * ((fwds + 2) * block_moved + attn_moved) + 3 * d.moved
@@ -244,7 +247,7 @@ def compute_times(cfg: TrialConfig, p: ModelParams) -> ComputeTimes:
     layer_b = 2 * gemm_f + 2 * stream_f + attn_b + BACKWARD_OPS_PER_LAYER * d.op
     fwd = layers * layer_f + head_gemm + loss_f + FORWARD_OPS_OUTSIDE * d.op
     bwd = layers * layer_b + 2 * head_gemm + loss_b + BACKWARD_OPS_OUTSIDE * d.op
-    recompute = layers * layer_f if cfg.activation_checkpointing else 0.0
+    recompute = layers * layer_f * redo
     # The parts above inside a real step (see params.py). The ZeRO-3 hook and optimizer figures below
     # were measured inside an engine step already, so in_step_slowdown does not apply to them.
     k = p.in_step_slowdown

@@ -23,11 +23,15 @@ def model_flops_per_token(model: ModelDims, seq_len: int) -> float:
     return 6.0 * matmul_params(model) + 12.0 * model.num_layers * model.hidden_size * seq_len
 
 
-def hardware_flops_per_token(model: ModelDims, seq_len: int, recompute: bool) -> float:
+def hardware_flops_per_token(model: ModelDims, seq_len: int, recompute: bool,
+                             recompute_fraction: float = 1.0) -> float:
     """What the device executes: with full activation checkpointing the forward runs twice, so
-    8N + 16*l*h*s instead of 6N + 12*l*h*s."""
+    8N + 16*l*h*s instead of 6N + 12*l*h*s (a selective scheme reruns `recompute_fraction` of it).
+    Attention counts the full s x s scores, as MFU does (PaLM): a causal kernel computes about half
+    of them, so at long sequences this HFU can exceed what the kernels execute (see
+    tests/validation/test_invariants.py, which holds the executed FLOPs to the GEMM rate)."""
     base = model_flops_per_token(model, seq_len)
-    return base * 4.0 / 3.0 if recompute else base
+    return base * (1.0 + recompute_fraction / 3.0) if recompute else base
 
 
 def utilization(flops_per_token: float, tokens_per_s_per_device: float, peak_flops: float) -> float:

@@ -13,8 +13,9 @@ Algorithm, per micro-batch of one device (F forward, B backward incl. recomputat
     exposed.
   * Blocking communication (TP all_reduces, pipeline send/recv) adds in full.
 Per step: m micro-batches of (compute + exposed); 1F1B pipelines add (pp - 1) micro-batch slots of
-bubble (Narayanan et al. 2021: bubble fraction (pp-1)/(m+pp-1)); then the optimizer step and the ZeRO-1/2
-post-step weight gather, neither of which overlaps anything.
+bubble (Narayanan et al. 2021: bubble fraction (pp-1)/(m+pp-1)), (pp - 1) / V with V chunks per rank
+(the interleaved schedule, same paper); then the optimizer step and the ZeRO-1/2 post-step weight
+gather, neither of which overlaps anything.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def step_time(ct: ComputeTimes, comms: list[par.Comm], grad_accum: int, pp: int,
     spare = max(0.0, bwd_window - hid_b - exp_b)
     exp_last, hid_last = _exposed(comms, par.LAST_BACKWARD, spare)
     after = sum(c.time_s for c in comms if c.phase == par.AFTER_STEP)
-    bubble = (pp - 1) * slot
+    bubble = (pp - 1) * slot / p.pipeline_virtual_stages
     compute = m * compute_mb + ct.optimizer_s + slow * hid_last
     exposed = m * (exp_f + exp_b + blocking_mb) + exp_last + after
     step = compute + exposed + bubble

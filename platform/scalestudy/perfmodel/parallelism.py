@@ -20,9 +20,11 @@ m = gradient-accumulation micro-batches, T = tokens per micro-batch):
     post-step gather (weights stay sharded).
   * TP (Megatron, no sequence parallelism): two all_reduces of T*h activations per block in forward
     (after attention and after the MLP) and two in backward, plus two more per block when checkpointed
-    activations are recomputed. They sit on the critical path: nothing overlaps them.
+    activations are recomputed (times params.recompute_fraction for selective schemes). They sit on
+    the critical path: nothing overlaps them.
   * PP (1F1B): one send/recv of T*h activations forward and one of their gradients backward per
-    micro-batch per stage boundary (Megatron's scatter/gather split sends 1/tp of it per tp rank).
+    micro-batch per stage boundary (Megatron's scatter/gather split sends 1/tp of it per tp rank);
+    the interleaved schedule crosses V boundaries per rank (params.pipeline_virtual_stages).
 """
 
 from __future__ import annotations
@@ -105,13 +107,14 @@ def communication(cfg: TrialConfig, p: ModelParams) -> list[Comm]:
                 add(net.ALL_GATHER, AFTER_STEP, 1, held * w, dp_g)
     if cfg.tp > 1:
         act = cfg.micro_batch * cfg.seq_len * dims.hidden_size * cfg.precision.bytes
-        per_layer = 4 + (2 if cfg.activation_checkpointing else 0)
+        per_layer = 4 + (2 * p.recompute_fraction if cfg.activation_checkpointing else 0)
         add(net.ALL_REDUCE, BLOCKING, m * layers * per_layer, act, tp_g, name="tp")
     if cfg.pp > 1:
         act = cfg.micro_batch * cfg.seq_len * dims.hidden_size * cfg.precision.bytes / cfg.tp
         crosses = cfg.tp * cfg.pp > g  # some stage boundary leaves the node
         pair = net.Group(2, 1, 2) if crosses else net.Group(2, 2, 1)
-        add(net.SEND_RECV, BLOCKING, 2 * m, act, pair, name="pp")
+        # interleaved: each micro-batch crosses V boundaries per rank (params.pipeline_virtual_stages)
+        add(net.SEND_RECV, BLOCKING, 2 * m * p.pipeline_virtual_stages, act, pair, name="pp")
     return out
 
 
@@ -232,7 +235,9 @@ def zero3_phases(cfg: TrialConfig, p: ModelParams, ct: ComputeTimes) -> Zero3Pha
 
     def bwd_block(regather: bool) -> tuple[z3.Unit, ...]:
         if cfg.activation_checkpointing:  # recompute gathers; the backward then reuses them
-            redo = tuple(z3.Unit(u.compute_s, u.gather_s if regather else 0.0, u.numel) for u in fwd)
+            k = p.recompute_fraction
+            redo = tuple(z3.Unit(k * u.compute_s, u.gather_s if regather else 0.0, u.numel)
+                         for u in fwd)
             back = bwd
         else:
             redo = ()

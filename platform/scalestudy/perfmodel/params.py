@@ -74,6 +74,17 @@ class ModelParams(BaseModel):
     # the prefetches (the step id ran one ahead of the recorded trace: DeepSpeed #1069, May 2021),
     # so every gather waited for its module; a published row run on such a release says so.
     zero3_prefetch: bool = True
+    # Share of the forward that activation checkpointing runs again before the backward: 1 for full
+    # checkpointing (every block's forward recomputed); selective schemes recompute less (torchtitan's
+    # op policy recomputes every second matmul and the cheap ops, about half; a run that checkpoints
+    # every n-th block, 1/n). Scales the recompute compute, its FLOPs and its TP all-reduces; the
+    # memory model keeps full checkpointing's activations (a lower bound). Only read when the trial
+    # checkpoints.
+    recompute_fraction: float = Field(1.0, gt=0, le=1)
+    # Pipeline chunks per pipeline rank (Megatron's interleaved 1F1B, Narayanan et al. 2021, Sec.
+    # 2.2.2): the fill/drain bubble shrinks to (pp - 1) / V micro-batch slots and each micro-batch
+    # crosses V times as many stage boundaries. 1: the plain 1F1B schedule.
+    pipeline_virtual_stages: int = Field(1, ge=1)
     # Network ---------------------------------------------------------------------------------
     # Achievable bus bandwidth / link rate for large messages, nccl-tests busbw
     # (tests/validation/data/nccl_published.yaml): NVLink: A100 all-reduce 230.8-232.5 of 300 GB/s

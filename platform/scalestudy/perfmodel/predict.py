@@ -38,8 +38,10 @@ _NOT_MODELLED = {
 
 
 @functools.lru_cache(maxsize=4096)
-def _flops_per_token(dims: ModelDims, seq_len: int, recompute: bool) -> tuple[float, float]:
-    return model_flops_per_token(dims, seq_len), hardware_flops_per_token(dims, seq_len, recompute)
+def _flops_per_token(dims: ModelDims, seq_len: int, recompute: bool,
+                     fraction: float) -> tuple[float, float]:
+    return (model_flops_per_token(dims, seq_len),
+            hardware_flops_per_token(dims, seq_len, recompute, fraction))
 
 
 def _comm_stats(cfg: TrialConfig, comms: list[par.Comm]) -> dict[str, CollectiveStats]:
@@ -80,7 +82,8 @@ def predict(cfg: TrialConfig, hardware: HardwareProfile | None = None,
     tokens_s = cfg.tokens_per_step / st.step_s
     per_device = tokens_s / cfg.world_size
     peak = cfg.hardware_profile.peak_flops(cfg.precision)
-    mflops, hflops = _flops_per_token(cfg.model_dims, cfg.seq_len, cfg.activation_checkpointing)
+    mflops, hflops = _flops_per_token(cfg.model_dims, cfg.seq_len, cfg.activation_checkpointing,
+                                      p.recompute_fraction)
     pw = estimate_power(cfg, st, p)
     return TrialResult(
         **base,
