@@ -2,10 +2,15 @@
 them: a TrialConfig, the row's own hardware profile and model parameters, and the published
 throughput in tokens/s per GPU. Schema and provenance: data/SOURCES.md and the files' headers.
 
-What a row does not print is assumed in the data file, per row, before scoring. Two things the
-rows need beyond the catalogue are set here, by source, each with its reason:
-  * INTERCONNECT: clusters slower than the catalogue profile (the data's `interconnect` text);
-  * SOFTWARE: model parameters that describe the software a source ran, not the hardware.
+What a row does not print is assumed in the data file, per row (`assumed`, `assumed_reason`), and
+how a source maps onto the model beyond its rows is the source's `model_settings` in the data file:
+each with its reason from the source or its software's era and whether it was chosen before or after
+the rows were first scored (a row carrying an after-scoring setting keeps, in `without`, the
+parameters it would have without them, so the test can print both errors). Two mapping rules hold
+for every source, written here:
+  * uneven pipeline stages run at the pace of the fullest stage (see _row);
+  * FSDP hybrid sharding (HSDP) is scored as full sharding over every GPU: the model has no
+    replicated-shard groups, and full sharding moves more bytes over the network (a bound).
 """
 
 from __future__ import annotations
@@ -15,27 +20,18 @@ from pathlib import Path
 
 import yaml
 
-from scalestudy.perfmodel.params import ModelParams, params_for
+from scalestudy.perfmodel.memory import memory_breakdown
+from scalestudy.perfmodel.params import FIELDS, ModelParams, params_for
 from scalestudy.spec import catalog
 from scalestudy.spec.catalog import HardwareProfile, ModelDims
 from scalestudy.spec.load import validate_spec
 from scalestudy.spec.study import TrialConfig, expand
 
 DATA = Path(__file__).parent / "data"
-
-# Network per 8-GPU node in Gb/s, where a source's cluster is not the catalogue's (validation.yaml
-# `interconnect`): IBM's A100 cluster "400 Gb/s inter-node interconnect", its H100 cluster
-# "800 Gb/s"; BLOOM's Jean Zay nodes "4 Omni-Path links per node" (100 Gb/s each, per a summary of
-# the BLOOM paper -- the files read do not print the link speed).
-INTERCONNECT_GBIT_PER_NODE = {("ibm-fms-fsdp", "a100-80gb"): 400, ("ibm-fms-fsdp", "h100-80gb"): 800,
-                              ("bigscience-bloom", "a100-80gb"): 400}
-
-# Software a source ran, as model parameters. Megatron-LM 2021 (Narayanan et al., arXiv 2104.04473,
-# March-April 2021) ran ZeRO-3 through "the DeepSpeed Python library" of that spring, whose ZeRO-3
-# prefetch was found skipped in May 2021 (the step id ran one ahead of the recorded trace, DeepSpeed
-# issue #1069): every gather waited for its module. NOTE: set after the first scoring of these rows
-# (without it their error is +35..+55%), on that evidence; the report says so.
-SOFTWARE = {("megatron-lm-2021", 3): {"zero3_prefetch": False}}
+BEFORE, AFTER = "before_first_scoring", "after_first_scoring"
+NETWORK = "network_gbit_per_node"
+ROW_FIELDS = ("activation_checkpointing",)  # settings that correct a row field rather than a parameter
+FILTERS = ("zero_stage", "activation_checkpointing_mode")  # row fields a setting may be limited to
 
 
 @dataclass
@@ -50,6 +46,10 @@ class Row:
     reason: str = ""
     core: bool = False
     notes: list[str] = field(default_factory=list)
+    after_scoring: list[str] = field(default_factory=list)  # settings chosen after first scoring
+    # (config, hardware, params) without the after-scoring settings; None when the row has none
+    without: tuple[TrialConfig, HardwareProfile, ModelParams] | None = None
+    memory_gib: float = 0.0     # what the memory model says the row needs per device
 
     @property
     def chip(self) -> str:
@@ -60,6 +60,11 @@ class Row:
     def layout(self) -> str:
         c = self.cfg
         return f"tp{c.tp}pp{c.pp}z{c.zero_stage}mb{c.micro_batch}" if c else ""
+
+    @property
+    def memory_disagrees(self) -> bool:
+        """The memory model says this published run, which ran, does not fit its device."""
+        return bool(self.hardware) and self.memory_gib > self.hardware.hbm_gib
 
 
 def _dims(model) -> ModelDims:
@@ -81,17 +86,49 @@ def tokens_per_s_per_gpu(row: dict, dims: ModelDims) -> float:
     return row["mfu"] * row["mfu_peak_tflops"] * 1e12 / per_token
 
 
-def _row(src: dict, row: dict) -> Row:
-    dims = _dims(row["model"])
-    base = dict(id=row["id"], source=src["source"], group=src["source_group"],
-                published=tokens_per_s_per_gpu(row, dims), core=bool(row.get("core")))
+def settings_for(src: dict, row: dict) -> list[dict]:
+    """The source's model_settings that apply to this row (filters: FILTERS, hardware)."""
+    out = []
+    for s in src.get("model_settings", []):
+        if s["chosen"] not in (BEFORE, AFTER) or not s.get("reason"):
+            raise ValueError(f"{src['source_group']}: setting {s['setting']} needs a reason and "
+                             f"chosen: {BEFORE} | {AFTER}")
+        if s["setting"] not in (NETWORK, *ROW_FIELDS, *FIELDS):
+            raise ValueError(f"{src['source_group']}: unknown setting {s['setting']}")
+        if any(k in s and s[k] != row.get(k) for k in FILTERS):
+            continue
+        if "hardware" in s and s["hardware"] != src["hardware"]:
+            continue
+        out.append(s)
+    return out
+
+
+def _apply(hw: HardwareProfile, row: dict, settings: list[dict]) -> tuple[HardwareProfile, ModelParams]:
+    gbit = next((s["value"] for s in settings if s["setting"] == NETWORK), None)
+    if gbit:
+        hw = hw.model_copy(update={"network_gbps_per_gpu": gbit / 8 / hw.gpus_per_node})
+    software = {s["setting"]: s["value"] for s in settings
+                if s["setting"] != NETWORK and s["setting"] not in ROW_FIELDS}
+    return hw, params_for(hw, fused_attention=row["attention"] == "flash", **software)
+
+
+def _build(src: dict, row: dict, dims: ModelDims, settings: list[dict], notes: list[str]):
+    """(planned trial, hardware, params) of a row under the given settings."""
+    row = {**row, **{s["setting"]: s["value"] for s in settings if s["setting"] in ROW_FIELDS}}
+    (planned,) = expand(validate_spec(_spec(src, row, dims, notes)))
+    if not planned.feasible:
+        return planned, None, None
+    hw, params = _apply(planned.config.hardware_profile, row, settings)
+    return planned, hw, params
+
+
+def _spec(src: dict, row: dict, dims: ModelDims, notes: list[str]) -> dict:
     spec = {"name": "published", "backend": "simulate", "model": row["model"],
             "hardware": src["hardware"], "seq_len": row["seq_len"], "precision": row["precision"],
             "world_size": row["gpus"], "tp": row["tp"], "pp": row["pp"],
             "zero_stage": row["zero_stage"], "micro_batch": row["micro_batch"],
             "global_batch": row["global_batch"],
             "activation_checkpointing": row["activation_checkpointing"]}
-    notes = []
     if dims.num_layers % row["pp"]:
         # Uneven stages (Megatron/DeepSpeed allow them; the spec does not): the pipeline runs at the
         # pace of its fullest stage, ceil(L / pp) blocks, so the row is scored as a model whose
@@ -99,22 +136,32 @@ def _row(src: dict, row: dict) -> Row:
         blocks = row["pp"] * -(-dims.num_layers // row["pp"])
         spec["model"] = dims.model_copy(update={"num_layers": blocks}).model_dump()
         notes.append(f"stages of {blocks // row['pp']} blocks")
-    (planned,) = expand(validate_spec(spec))
-    if not planned.feasible:
-        return Row(**base, cfg=None, hardware=None, params=None, reason=planned.reason)
-    cfg = planned.config
-    hw = cfg.hardware_profile
-    gbit = INTERCONNECT_GBIT_PER_NODE.get((src["source_group"], hw.name))
-    if gbit:
-        hw = hw.model_copy(update={"network_gbps_per_gpu": gbit / 8 / hw.gpus_per_node})
-        notes.append(f"net {gbit} Gb/s/node")
     if row.get("fsdp_mode", "").startswith("hybrid"):
         notes.append("HSDP as full shard")
-    software = SOFTWARE.get((src["source_group"], row["zero_stage"]), {})
-    notes += [f"{k}={v}" for k, v in software.items()]
-    params = params_for(hw, fused_attention=row["attention"] == "flash", **software)
-    return Row(**base, cfg=cfg.model_copy(update={"hardware_profile": hw}), hardware=hw,
-               params=params, notes=notes)
+    return spec
+
+
+def _row(src: dict, row: dict) -> Row:
+    dims = _dims(row["model"])
+    base = dict(id=row["id"], source=src["source"], group=src["source_group"],
+                published=tokens_per_s_per_gpu(row, dims), core=bool(row.get("core")))
+    notes: list[str] = []
+    settings = settings_for(src, row)
+    planned, hw, params = _build(src, row, dims, settings, notes)
+    if not planned.feasible:
+        return Row(**base, cfg=None, hardware=None, params=None, reason=planned.reason)
+    after = [s for s in settings if s["chosen"] == AFTER]
+    without = None
+    if after:
+        first, hw0, params0 = _build(src, row, dims, [s for s in settings if s not in after], [])
+        if first.feasible:
+            without = (first.config.model_copy(update={"hardware_profile": hw0}), hw0, params0)
+    notes += [f"{s['setting']}={s['value']}" for s in settings]
+    cfg = planned.config.model_copy(update={"hardware_profile": hw})
+    memory = memory_breakdown(cfg, fused_attention=params.fused_attention).total_gib
+    return Row(**base, cfg=cfg, hardware=hw, params=params, notes=notes,
+               after_scoring=[f"{s['setting']}={s['value']}" for s in after], without=without,
+               memory_gib=memory)
 
 
 def load(name: str, kind: str = "end_to_end") -> list[Row]:

@@ -1,66 +1,112 @@
 """The performance model against published training throughput it was not tuned on.
 
 Calibration (data/calibration.yaml) and validation (data/validation.yaml) rows come from disjoint
-sources. The one fitted quantity is each chip's gemm_efficiency, fitted on the calibration set's
+sources. The one quantity fitted here is each chip's gemm_efficiency, on the calibration set's
 end-to-end rows; every calibration row is scored by a fit made WITHOUT its own source group
 (leave-one-source-out; a chip with no other calibration source keeps its catalogue value), every
-validation row by the fit on all calibration rows. The test prints the per-row table.
+validation row by the fit on all calibration rows. The catalogue's other efficiencies were read from
+calibration kernel rows (hardware.yaml says which): a row of the source they were read from is
+labelled in-sample. The test prints the per-row table.
 
-Bound (decided for this harness: all scored validation rows, unweighted; the core subset and the
-source-weighted mean are printed beside it): MAPE <= 20% and no row over 40% (targets 10% / 25%).
-Rows the spec or the memory model rejects are listed with the reason and not scored.
+Scored population, decided on principle and stated here: every row the spec accepts is scored, each
+counting once (the issue's "MAPE <= 20% and no row over 40%" over the validation rows); the mean
+over sources (each source group's own MAPE, averaged) and the core subset (chosen in the data before
+any scoring) are printed beside it, never used for the bound. The memory model's verdict does not
+gate scoring: a published row ran, so where the memory model says it does not fit, the row is scored
+and the disagreement printed (a miss of the memory model, not a reason to drop the row). Rows
+carrying a setting chosen after first scoring (data files: `chosen: after_first_scoring`) are
+marked with a dagger and also printed with their error without it.
 """
 
 from __future__ import annotations
 
 import functools
 import statistics
+from dataclasses import dataclass
 
 from tests.validation.published import Row, load, raw
 
 from scalestudy.perfmodel.fit import fit_rows, leave_one_group_out
-from scalestudy.perfmodel.predict import predict
+from scalestudy.perfmodel.params import ModelParams
+from scalestudy.perfmodel.predict import simulate
+from scalestudy.spec.catalog import HardwareProfile
+from scalestudy.spec.study import TrialConfig
 
 MAPE_BOUND, ROW_BOUND = 0.20, 0.40
 FITTED = ("gemm_efficiency",)
+# Source group each catalogue efficiency was read from (hardware.yaml's calibration comment): rows
+# of these groups are in-sample for it.
+CATALOGUE_READ_FROM = {"gemm_efficiency": "ml-engineering-mamf",
+                       "attention_efficiency": "flashattention-dao",
+                       "attention_half_seq": "flashattention-dao"}
+
+
+def per_gpu(cfg: TrialConfig, hw: HardwareProfile, params: ModelParams) -> float:
+    """Predicted tokens/s per GPU of a row's trial on its own profile and parameters."""
+    cfg = cfg.model_copy(update={"hardware_profile": hw})
+    st, _ = simulate(cfg, params)
+    return cfg.tokens_per_step / st.step_s / cfg.world_size
+
+
+@dataclass
+class Scored:
+    row: Row
+    predicted: float | None
+    label: str
+    without: float | None = None  # prediction without the after-scoring settings
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.row.published - 1
+
+    @property
+    def error_without(self) -> float | None:
+        return None if self.without is None else self.without / self.row.published - 1
 
 
 def _fit(rows: list[Row]) -> dict[str, dict[str, float]]:
-    """chip -> fitted parameters, on the given (scored) rows."""
+    """chip -> fitted parameters, on the given rows. gemm_efficiency may not exceed the catalogue's,
+    which is the device's measured best GEMM rate (hardware.yaml: mamf-finder): the issue's floor
+    is the step's compute at the measured GEMM rate, and a fit above it would break that floor."""
     out = {}
     for chip in sorted({r.chip for r in rows}):
         mine = [r for r in rows if r.chip == chip]
+        measured = {"gemm_efficiency": min(r.params.gemm_efficiency for r in mine)}
         out[chip] = fit_rows([r.cfg for r in mine], [r.published for r in mine],
-                             [r.params for r in mine], FITTED)
+                             [r.params for r in mine], FITTED, upper=measured)
     return out
 
 
-def _score(row: Row, fitted: dict[str, dict[str, float]]) -> tuple[float | None, str]:
+def _score(row: Row, fitted: dict[str, dict[str, float]], label: str) -> Scored:
     if row.cfg is None:
-        return None, f"spec: {row.reason}"
-    params = row.params.model_copy(update=fitted.get(row.chip, {}))
-    result = predict(row.cfg, hardware=row.hardware, params=params)
-    if result.status.value != "completed":
-        return None, f"model: {result.reason}"
-    return result.tokens_per_s_per_device, ""
+        return Scored(row, None, f"not scored (spec: {row.reason})")
+    update = fitted.get(row.chip, {})
+    pred = per_gpu(row.cfg, row.hardware, row.params.model_copy(update=update))
+    without = None
+    if row.without:
+        cfg, hw, params = row.without
+        without = per_gpu(cfg, hw, params.model_copy(update=update))
+    return Scored(row, pred, label, without)
 
 
-def _table(title: str, scored: list[tuple[Row, float | None, str, str]]) -> list[float]:
+def _table(title: str, scored: list[Scored]) -> None:
     print(f"\n{title}")
-    print(f"{'source':18s} {'row':32s} {'gpus':>5s} {'layout':>12s} {'published':>10s} "
-          f"{'predicted':>10s} {'error':>7s}  fit / notes")
-    errors = []
-    for row, pred, why, label in scored:
-        if pred is None:
-            print(f"{row.group[:18]:18s} {row.id[:32]:32s} {'':>5s} {'':>12s} {row.published:10.1f} "
-                  f"{'-':>10s} {'-':>7s}  not scored ({why})")
+    print(f"{'source':18s} {'row':30s} {'gpus':>5s} {'layout':>13s} {'published':>10s} "
+          f"{'predicted':>10s} {'error':>8s} {'w/o †':>7s}  sample / fit / notes")
+    for s in scored:
+        r = s.row
+        if s.predicted is None:
+            print(f"{r.group[:18]:18s} {r.id[:30]:30s} {'':>5s} {'':>13s} {r.published:10.1f} "
+                  f"{'-':>10s} {'-':>8s} {'':>7s}  {s.label}")
             continue
-        err = pred / row.published - 1
-        errors.append(abs(err))
-        print(f"{row.group[:18]:18s} {row.id[:32]:32s} {row.cfg.world_size:5d} {row.layout:>12s} "
-              f"{row.published:10.1f} {pred:10.1f} {err:+7.1%}  {label}"
-              + (f"; {', '.join(row.notes)}" if row.notes else ""))
-    return errors
+        dagger = "†" if r.after_scoring else " "
+        without = f"{s.error_without:+7.1%}" if s.error_without is not None else ""
+        notes = list(r.notes)
+        if r.memory_disagrees:
+            notes.append(f"memory model: {r.memory_gib:.0f} GiB > {r.hardware.hbm_gib:.0f} (it ran)")
+        print(f"{r.group[:18]:18s} {r.id[:30]:30s} {r.cfg.world_size:5d} {r.layout:>13s} "
+              f"{r.published:10.1f} {s.predicted:10.1f} {s.error:+7.1%}{dagger} {without:>7s}  "
+              + "; ".join([s.label] + notes))
 
 
 def test_calibration_and_validation_share_no_row():
@@ -75,48 +121,84 @@ def test_calibration_and_validation_share_no_row():
     assert not shape(cal) & shape(val)
 
 
-@functools.lru_cache(maxsize=1)
-def _scored() -> tuple[list[tuple[Row, float]], list[float], dict[str, list[float]]]:
-    """Score every row once (printed), for the tests below: (validation rows with predictions,
-    their absolute errors, errors by source group)."""
+def test_every_after_scoring_setting_is_marked_with_its_reason():
+    """The data says, per setting, why and when it was chosen; the loader refuses one that does not."""
+    for src in raw("validation.yaml") + raw("calibration.yaml"):
+        for s in src.get("model_settings", []):
+            assert s["chosen"] in ("before_first_scoring", "after_first_scoring"), s
+            assert len(s["reason"]) > 40, s
+            if s["chosen"] == "after_first_scoring":
+                assert s.get("error_without"), s  # as first seen, so the record cannot drift
+
+
+def _calibration() -> tuple[list[Scored], dict[str, dict[str, float]]]:
     cal = load("calibration.yaml")
-    val = load("validation.yaml")
-    cal_ok = [r for r in cal if r.cfg is not None and _score(r, {})[0] is not None]
-    full = _fit(cal_ok)
-    loso = leave_one_group_out([r.group for r in cal_ok],
-                               lambda g: _fit([r for r in cal_ok if r.group != g]))
-    cal_scored = []
+    ok = [r for r in cal if r.cfg is not None]
+    full = _fit(ok)
+    loso = leave_one_group_out([r.group for r in ok],
+                               lambda g: _fit([r for r in ok if r.group != g]))
+    out = []
     for r in cal:
         fit = loso.get(r.group, {})
         label = (f"LOSO gemm_eff {fit[r.chip]['gemm_efficiency']:.3f}" if r.chip in fit
                  else "LOSO: no other calibration source for this chip, catalogue values")
-        cal_scored.append((r, *_score(r, fit), label))
-    _table("calibration rows, each scored without its own source (leave-one-source-out)", cal_scored)
-    val_scored = [(r, *_score(r, full), "fit on all calibration rows") for r in val]
-    errors = _table("validation rows (never fitted)", val_scored)
-    print("fitted on all calibration rows: "
-          + ", ".join(f"{chip} {k} {v:.3f}" for chip, f in full.items() for k, v in f.items()))
-    ok = [(r, p) for r, p, _, _ in val_scored if p is not None]
+        read = sorted(k for k, g in CATALOGUE_READ_FROM.items() if g == r.group)
+        label = (f"IN-SAMPLE ({', '.join(read)} read from this source); " if read else
+                 "out of sample; ") + label
+        out.append(_score(r, fit, label))
+    return out, full
+
+
+def _mape(errors: list[float]) -> float:
+    return statistics.mean(abs(e) for e in errors)
+
+
+def _summary(val: list[Scored]) -> None:
+    ok = [s for s in val if s.predicted is not None]
     by_group: dict[str, list[float]] = {}
-    for r, p in ok:
-        by_group.setdefault(r.group, []).append(abs(p / r.published - 1))
-    core = [abs(p / r.published - 1) for r, p in ok if r.core]
-    print(f"validation: {len(errors)} rows scored from {len(by_group)} sources, "
-          f"{len(val) - len(errors)} not scored; MAPE {statistics.mean(errors):.1%} (bound "
-          f"{MAPE_BOUND:.0%}, target 10%), worst row {max(errors):.1%} (bound {ROW_BOUND:.0%}, "
-          f"target 25%); core subset MAPE {statistics.mean(core):.1%} over {len(core)}; "
-          f"source-weighted MAPE {statistics.mean(statistics.mean(v) for v in by_group.values()):.1%}")
-    return ok, errors, by_group
+    for s in ok:
+        by_group.setdefault(s.row.group, []).append(s.error)
+    errors = [s.error for s in ok]
+    worst = max(ok, key=lambda s: abs(s.error))
+    core = [s.error for s in ok if s.row.core]
+    print(f"validation: {len(ok)} rows scored from {len(by_group)} sources, "
+          f"{len(val) - len(ok)} rejected by the spec; MAPE {_mape(errors):.1%} (bound "
+          f"{MAPE_BOUND:.0%}, target 10%), worst row {worst.row.id} {worst.error:+.1%} (bound "
+          f"{ROW_BOUND:.0%}, target 25%); core subset MAPE {_mape(core):.1%} over {len(core)}; "
+          f"mean over sources {statistics.mean(_mape(v) for v in by_group.values()):.1%}")
+    print("per source: " + ", ".join(f"{g} {_mape(v):.1%} ({len(v)} rows)"
+                                      for g, v in sorted(by_group.items())))
+    plain = [s.error_without if s.error_without is not None else s.error for s in ok]
+    marked = sum(1 for s in ok if s.row.after_scoring)
+    print(f"without the settings chosen after first scoring ({marked} rows †): MAPE "
+          f"{_mape(plain):.1%}, worst row {max(abs(e) for e in plain):.1%}")
+    beyond = [s for s in ok if abs(s.error) > ROW_BOUND]
+    for s in beyond:
+        print(f"over the row bound: {s.row.id} {s.error:+.1%}")
+    disagree = [s.row.id for s in ok if s.row.memory_disagrees]
+    if disagree:
+        print(f"memory model says these published runs do not fit (scored anyway): {', '.join(disagree)}")
+
+
+@functools.lru_cache(maxsize=1)
+def _scored() -> list[Scored]:
+    """Score every row once (printed) for the tests below; returns the validation rows."""
+    cal, full = _calibration()
+    _table("calibration rows, each scored without its own source (leave-one-source-out)", cal)
+    fitted = ", ".join(f"{chip} {k} {v:.3f}" for chip, f in full.items() for k, v in f.items())
+    val = [_score(r, full, "out of sample: fit on all calibration rows") for r in load("validation.yaml")]
+    _table(f"validation rows (never fitted; fitted on all calibration rows: {fitted})", val)
+    _summary(val)
+    return val
 
 
 def test_published_throughput_mape_leave_one_source_out():
-    ok, errors, by_group = _scored()
-    assert len(errors) >= 15 and len(by_group) >= 5
-    assert statistics.mean(errors) <= MAPE_BOUND
+    val = [s for s in _scored() if s.predicted is not None]
+    assert len(val) >= 15 and len({s.row.group for s in val}) >= 5
+    assert _mape([s.error for s in val]) <= MAPE_BOUND
 
 
 def test_no_published_row_beyond_the_row_bound():
-    ok, _, _ = _scored()
-    beyond = [f"{r.id} {p / r.published - 1:+.1%}" for r, p in ok
-              if abs(p / r.published - 1) > ROW_BOUND]
+    val = [s for s in _scored() if s.predicted is not None]
+    beyond = [f"{s.row.id} {s.error:+.1%}" for s in val if abs(s.error) > ROW_BOUND]
     assert not beyond, f"rows over {ROW_BOUND:.0%}: {', '.join(beyond)}"

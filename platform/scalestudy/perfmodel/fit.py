@@ -93,15 +93,18 @@ def fit(cfgs: list[TrialConfig], measured: list[float], hw: HardwareProfile,
 
 
 def fit_rows(cfgs: list[TrialConfig], measured: list[float], bases: list[ModelParams],
-             names: tuple[str, ...]) -> dict[str, float]:
+             names: tuple[str, ...], upper: dict[str, float] | None = None) -> dict[str, float]:
     """Values of `names` shared by all rows that minimise the squared log error of tokens/s per
-    device; each row keeps its own profile (cfg.hardware_profile) and base parameters."""
+    device; each row keeps its own profile (cfg.hardware_profile) and base parameters. `upper`
+    tightens a parameter's physical upper bound (e.g. gemm_efficiency at the device's measured best
+    GEMM rate: no fit may make kernels faster than they were measured to run)."""
     from scipy.optimize import least_squares
 
     if not cfgs:
         return {}
+    upper = upper or {}
     lo = np.log([_BOUNDS[n][0] for n in names])
-    hi = np.log([_BOUNDS[n][1] for n in names])
+    hi = np.log([min(_BOUNDS[n][1], upper.get(n, math.inf)) for n in names])
     x0 = np.clip(np.log([getattr(bases[0], n) for n in names]), lo, hi)
     log_meas = np.log(np.asarray(measured, dtype=float))
 
