@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 # The collective kinds are metrics.py's names (parallelism.py uses them as net.ALL_GATHER, ...).
 from scalestudy.metrics import (  # noqa: F401
@@ -47,9 +48,11 @@ from scalestudy.parallel.layout import Layout
 from scalestudy.perfmodel.params import ModelParams
 from scalestudy.spec.catalog import HardwareProfile
 
+if TYPE_CHECKING:
+    from scalestudy.spec.study import TrialConfig
 
-@dataclass(frozen=True)
-class Group:
+
+class Group(NamedTuple):
     """A process group's placement: n ranks, k per node, over m nodes."""
 
     n: int
@@ -61,6 +64,21 @@ class Group:
         """The placement of a trial's group along one axis of its grid ("dp", "tp", "pp"), as the
         layout places ranks on nodes."""
         return Group(*layout.group_placement(axis))
+
+    @staticmethod
+    def along(cfg: TrialConfig, axis: str) -> Group:
+        """Group.of(cfg.layout, axis), memoised: the placement depends only on the grid and the
+        devices per node, not on the batch (a sweep prices many batches on one grid)."""
+        key = (cfg.world_size, cfg.dp, cfg.tp, cfg.pp, cfg.hardware_profile.gpus_per_node, axis)
+        group = _PLACED.get(key)
+        if group is None:
+            if len(_PLACED) > 65536:
+                _PLACED.clear()
+            group = _PLACED[key] = Group.of(cfg.layout, axis)
+        return group
+
+
+_PLACED: dict[tuple[int, int, int, int, int, str], Group] = {}
 
 
 @dataclass(frozen=True)
@@ -149,14 +167,18 @@ def _tree_time_s(size_bytes: float, g: Group, bus: float, p: _NetParams) -> floa
     return best
 
 
+_CURVE_KEY = {op: f"busbw_gbps_{op}" for op in (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, SEND_RECV)}
+
+
 def collective_time(op: str, size_bytes: float, g: Group, hw: HardwareProfile,
                     p: ModelParams) -> float:
     """Seconds for one collective of `size_bytes` (nccl-tests convention) over group g."""
     if g.n <= 1 or size_bytes <= 0:
         return 0.0
-    curve = hw.calibration.get(f"busbw_gbps_{op}")
-    if g.m == 1 and isinstance(curve, list) and curve:
-        return busbw_factor(op, g.n) * size_bytes / (_interp(curve, size_bytes) * 1e9)
+    if g.m == 1:
+        curve = hw.calibration.get(_CURVE_KEY[op])
+        if isinstance(curve, list) and curve:
+            return busbw_factor(op, g.n) * size_bytes / (_interp(curve, size_bytes) * 1e9)
     # A pure function of these numbers: memoised (a study prices the same calls many times).
     return _cost(op, float(size_bytes), g.n, g.k, g.m, hw.nvlink_gbps_per_gpu,
                  hw.network_gbps_per_gpu, p.nvlink_efficiency, p.network_efficiency,

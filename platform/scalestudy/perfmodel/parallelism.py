@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from scalestudy.perfmodel import network as net
 from scalestudy.perfmodel import zero3 as z3
@@ -51,8 +52,9 @@ BLOCKING = "blocking"      # on the critical path (TP all_reduces, pipeline send
 AFTER_STEP = "after_step"  # after the optimizer, also blocking, once per step
 
 
-@dataclass(frozen=True)
-class Comm:
+class Comm(NamedTuple):
+    """One kind of call in one phase (a NamedTuple: a prediction builds a dozen)."""
+
     kind: str
     phase: str
     calls_per_step: float
@@ -77,8 +79,8 @@ def communication(cfg: TrialConfig, p: ModelParams) -> list[Comm]:
     w = 4 if cfg.precision is Precision.fp32 else 2
     m, layers = cfg.grad_accum, dims.num_layers // cfg.pp
     held = params_per_device(dims, cfg.tp, cfg.pp)  # per tp rank, largest stage, before ZeRO
-    dp_g = net.Group.of(cfg.layout, "dp")
-    tp_g = net.Group.of(cfg.layout, "tp")
+    dp_g = net.Group.along(cfg, "dp")
+    tp_g = net.Group.along(cfg, "tp")
     out: list[Comm] = []
 
     def add(kind: str, phase: str, calls: float, size: float, group: net.Group,
@@ -207,7 +209,7 @@ class Zero3Phases:
 
 def _units(cfg: TrialConfig, p: ModelParams, ct: ComputeTimes, plan: _Zero3Plan, w: int):
     hw = cfg.hardware_profile
-    g = net.Group.of(cfg.layout, "dp")
+    g = net.Group.along(cfg, "dp")
 
     def gather(numel: float) -> float:
         return net.collective_time(net.ALL_GATHER, numel * w, g, hw, p) if numel else 0.0

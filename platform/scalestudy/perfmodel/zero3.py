@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from scalestudy.spec.catalog import ModelDims
 
@@ -71,8 +72,10 @@ def gather_groups(weights: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(groups)
 
 
-@dataclass(frozen=True)
-class Unit:
+class Unit(NamedTuple):
+    """A gather group and the compute of its modules (a NamedTuple: a phase is memoised on its
+    units, and a prediction builds dozens of them)."""
+
     compute_s: float
     gather_s: float = 0.0
     numel: float = 0.0
@@ -86,7 +89,10 @@ class _State:
     reduce_end: float = 0.0    # the last committed reduce_scatter ends
     pending: tuple[float, float] | None = None  # a reduce_scatter (launch, seconds) not yet placed
     busy: float = 0.0
+    # Recent gathers, (fetch time - history_base, elements): the base moves when the rest of a
+    # segment is extrapolated, so shifting the clock leaves the entries untouched.
     history: deque | None = None
+    history_base: float = 0.0
 
     def shift(self, dt: float, busy: float) -> None:
         self.compute_end += dt
@@ -95,7 +101,7 @@ class _State:
         if self.pending:
             self.pending = (self.pending[0] + dt, self.pending[1])
         self.busy += busy
-        self.history = deque(((t + dt, n) for t, n in self.history), maxlen=self.history.maxlen)
+        self.history_base += dt
 
     def commit(self) -> None:
         """Place the pending reduction on the communication stream (launch order)."""
@@ -108,20 +114,19 @@ class _State:
 def _issue_time(s: _State, fetch_t: float, numel: float) -> float:
     """Earliest time the prefetcher launches this unit's gather: at the fetch of the earliest
     preceding unit from which everything up to this one fits in the live-parameter window."""
-    earliest, live = fetch_t, numel
+    earliest, live = fetch_t - s.history_base, numel
     for t, n in reversed(s.history):
         live += n
         if live > MAX_LIVE:
-            return earliest
+            break
         earliest = t
-    return earliest
+    return earliest + s.history_base
 
 
 def _run_unit(s: _State, u: Unit, prefetch: bool) -> None:
     """One unit on the two streams. Collectives run in the order they were launched: a prefetched
     gather launched before a pending reduction goes ahead of it."""
-    fetch_t = s.compute_end
-    ready = s.compute_end
+    fetch_t = ready = s.compute_end
     if u.gather_s > 0:
         issue = _issue_time(s, fetch_t, u.numel) if prefetch else fetch_t
         if s.pending and s.pending[0] <= issue:
@@ -135,7 +140,7 @@ def _run_unit(s: _State, u: Unit, prefetch: bool) -> None:
         s.compute_end = max(s.compute_end, s.reduce_end)  # bucket reuse waits for the last reduction
         s.pending = (s.compute_end, u.reduce_s)
         s.busy += u.reduce_s
-    s.history.append((fetch_t, u.numel if u.gather_s > 0 else 0.0))
+    s.history.append((fetch_t - s.history_base, u.numel if u.gather_s > 0 else 0.0))
 
 
 MAX_SIMULATED_BLOCKS = 8  # transients of the window settle within a few blocks
