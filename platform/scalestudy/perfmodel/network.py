@@ -157,14 +157,14 @@ def _ring_latency_s(op: str, g: Group, i: int, p: _NetParams) -> float:
     return BASE_US["ring"][i] * 1e-6 + steps * lockstep
 
 
-def _tree_time_s(size_bytes: float, g: Group, bus: float, p: _NetParams) -> float:
-    best = math.inf
+def _tree_terms(g: Group, bus: float, p: _NetParams) -> list[tuple[float, float]]:
+    """(latency s, bus bytes/s) of the tree all_reduce per protocol."""
+    out = []
     for i in range(3):
         lat = (BASE_US["tree"][i] + 2 * ((g.k - 1) * NVLINK_HOP_US["tree"][i]
                                          + math.log2(g.m) * NET_HOP_US["tree"][i])) * 1e-6
-        bw = bus * 0.92 * (0.25 if i == 0 else 1.0)
-        best = min(best, p.latency_scale * lat + busbw_factor(ALL_REDUCE, g.n) * size_bytes / bw)
-    return best
+        out.append((p.latency_scale * lat, bus * 0.92 * (0.25 if i == 0 else 1.0)))
+    return out
 
 
 _CURVE_KEY = {op: f"busbw_gbps_{op}" for op in (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, SEND_RECV)}
@@ -179,7 +179,6 @@ def collective_time(op: str, size_bytes: float, g: Group, hw: HardwareProfile,
         curve = hw.calibration.get(_CURVE_KEY[op])
         if isinstance(curve, list) and curve:
             return busbw_factor(op, g.n) * size_bytes / (_interp(curve, size_bytes) * 1e9)
-    # A pure function of these numbers: memoised (a study prices the same calls many times).
     return _cost(op, float(size_bytes), g.n, g.k, g.m, hw.nvlink_gbps_per_gpu,
                  hw.network_gbps_per_gpu, p.nvlink_efficiency, p.network_efficiency,
                  p.latency_scale, p.net_overhead_s)
@@ -195,23 +194,33 @@ class _NetParams:
     net_overhead_s: float
 
 
-@functools.lru_cache(maxsize=65536)
-def _cost(op: str, size_bytes: float, n: int, k: int, m: int, nvlink_gbps: float, net_gbps: float,
-          nvlink_eff: float, net_eff: float, latency_scale: float, net_overhead_s: float) -> float:
+@functools.lru_cache(maxsize=16384)
+def _alternatives(op: str, n: int, k: int, m: int, nvlink_gbps: float, net_gbps: float,
+                  nvlink_eff: float, net_eff: float, latency_scale: float,
+                  net_overhead_s: float) -> tuple[tuple[float, float], ...]:
+    """(latency s, bytes of the call per second) of every (algorithm, protocol) NCCL may pick for
+    one op over one group: a call of S bytes costs min(latency + S / rate). A pure function of the
+    group and the link rates, memoised, so a call of a new size costs a few multiplications."""
     g, hw = Group(n, k, m), _Links(nvlink_gbps, net_gbps)
     p = _NetParams(nvlink_eff, net_eff, latency_scale, net_overhead_s)
     if op == SEND_RECV:
         link = (hw.nvlink_gbps_per_gpu * p.nvlink_efficiency if g.m == 1
                 else hw.network_gbps_per_gpu * p.network_efficiency) * 1e9
         hop = NVLINK_HOP_US["ring"][2] if g.m == 1 else NET_HOP_US["ring"][2]
-        return size_bytes / link + p.latency_scale * (BASE_US["ring"][2] + hop) * 1e-6
-    wire = busbw_factor(op, g.n) * size_bytes
+        return ((p.latency_scale * (BASE_US["ring"][2] + hop) * 1e-6, link),)
+    factor = busbw_factor(op, g.n)  # bus bytes per byte of the call
     bus = bus_bandwidth(g, hw, p)
-    best = min(p.latency_scale * _ring_latency_s(op, g, i, p) + wire / _proto_bw(i, bus, g, op)
-               for i in range(3))
+    terms = [(p.latency_scale * _ring_latency_s(op, g, i, p), _proto_bw(i, bus, g, op))
+             for i in range(3)]
     if op == ALL_REDUCE and g.m > 1:
-        best = min(best, _tree_time_s(size_bytes, g, bus, p))
-    return best
+        terms += _tree_terms(g, bus, p)
+    return tuple((lat, bw / factor) for lat, bw in terms)
+
+
+def _cost(op: str, size_bytes: float, n: int, k: int, m: int, nvlink_gbps: float, net_gbps: float,
+          nvlink_eff: float, net_eff: float, latency_scale: float, net_overhead_s: float) -> float:
+    return min(lat + size_bytes / rate for lat, rate in _alternatives(
+        op, n, k, m, nvlink_gbps, net_gbps, nvlink_eff, net_eff, latency_scale, net_overhead_s))
 
 
 def busbw_gbps(op: str, size_bytes: float, g: Group, hw: HardwareProfile, p: ModelParams) -> float:
