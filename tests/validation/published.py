@@ -50,6 +50,10 @@ class Row:
     # (config, hardware, params) without the after-scoring settings; None when the row has none
     without: tuple[TrialConfig, HardwareProfile, ModelParams] | None = None
     memory_gib: float = 0.0     # what the memory model says the row needs per device
+    # A row over the row bound that was investigated and left as it was (the data's `known_miss`:
+    # error when first seen over the bound, and where the investigation is written). Recorded, never
+    # tuned away: the row is still scored and counted in the MAPE.
+    known_miss: dict | None = None
 
     @property
     def chip(self) -> str:
@@ -141,10 +145,21 @@ def _spec(src: dict, row: dict, dims: ModelDims, notes: list[str]) -> dict:
     return spec
 
 
+def _known_miss(row: dict) -> dict | None:
+    miss = row.get("known_miss")
+    if miss is None:
+        return None
+    if set(miss) != {"first_seen", "error_when_seen", "investigated"} or len(miss["investigated"]) < 20:
+        raise ValueError(f"{row['id']}: known_miss needs first_seen, error_when_seen and where the "
+                         f"investigation is written (investigated); got {miss}")
+    return miss
+
+
 def _row(src: dict, row: dict) -> Row:
     dims = _dims(row["model"])
     base = dict(id=row["id"], source=src["source"], group=src["source_group"],
-                published=tokens_per_s_per_gpu(row, dims), core=bool(row.get("core")))
+                published=tokens_per_s_per_gpu(row, dims), core=bool(row.get("core")),
+                known_miss=_known_miss(row))
     notes: list[str] = []
     settings = settings_for(src, row)
     planned, hw, params = _build(src, row, dims, settings, notes)
