@@ -128,14 +128,21 @@ class TrialConfig(BaseModel):
         return Layout(self.world_size, self.dp, self.tp, self.pp, self.micro_batch, self.grad_accum,
                       self.global_batch, self.hardware_profile.gpus_per_node)
 
-    @property
+    @functools.cached_property
     def trial_id(self) -> str:
-        """Stable hash of everything that defines what the trial measures (not its study)."""
+        """Stable hash of everything that defines what the trial measures (not its study). Cached:
+        the config is frozen, and a model sweep asks for it once per column set (model_copy below
+        drops the cache, since pydantic copies the instance dict with it)."""
         payload = self.model_dump(mode="json", exclude=set(_NOT_HASHED))
         if self.elastic is None:  # elastic bounds change the trial; their absence keeps old ids
             payload.pop("elastic")
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha1(blob).hexdigest()[:12]
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> TrialConfig:
+        copied = super().model_copy(update=update, deep=deep)
+        copied.__dict__.pop("trial_id", None)
+        return copied
 
     @property
     def run_name(self) -> str:
