@@ -55,13 +55,14 @@ def _searcher(spec: StudySpec):
 def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, results_root: Path,
              max_concurrent, fault, verbose) -> None:
     from scalestudy.train.launch import ensure_ray
+    from scalestudy.train.warm import pool_name, warm_pool
 
     ensure_ray(verbose=verbose)
     study_dir = (Path(results_root) / spec.name).resolve()
     trainable = tune.with_resources(
         tune.with_parameters(
             trial_trainable, spec=spec, storage=str(study_dir / "train"), fault=fault,
-            skip_ids=frozenset(skip_ids),
+            skip_ids=frozenset(skip_ids), pool=pool_name(spec.workers.reuse, recorder.sweep_id),
         ),
         TRAINABLE_RESOURCES,
     )
@@ -83,7 +84,8 @@ def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, result
             callbacks=[_RecordCallback(spec, recorder, progress)],
         ),
     )
-    tuner.fit()
+    with warm_pool(spec.workers.reuse, recorder.sweep_id):  # warm groups live as long as the sweep
+        tuner.fit()
 
 
 class _RecordCallback(Callback):
