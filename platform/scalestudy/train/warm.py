@@ -174,15 +174,16 @@ class WarmPool:
             found[1].trials += 1
         return found
 
-    def acquire(self, cfg: TrialConfig) -> tuple[str, list, int]:
-        """(group id, workers in rank order, trials the group ran before this one)."""
+    def acquire(self, cfg: TrialConfig) -> tuple[str, list, int, float]:
+        """(group id, workers in rank order, trials the group ran before this one, seconds spent
+        placing and starting a new group: 0 when an idle one was taken)."""
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        shape = shape_of(cfg)
+        shape, t = shape_of(cfg), time.time()
         with self.lock:
             found = self._take_idle(shape, evict=False)
         if found:
-            return found[0], found[1].workers, found[1].trials - 1
+            return found[0], found[1].workers, found[1].trials - 1, 0.0
         pg = placement_group([resources_per_worker(cfg)] * cfg.world_size, strategy="PACK")
         while True:
             ready, _ = ray.wait([pg.ready()], timeout=WAIT_SLICE_S)
@@ -190,14 +191,14 @@ class WarmPool:
                 found = None if ready else self._take_idle(shape, evict=True)
             if found:
                 remove_placement_group(pg)
-                return found[0], found[1].workers, found[1].trials - 1
+                return found[0], found[1].workers, found[1].trials - 1, time.time() - t
             if ready:
                 break
         group = self._start(cfg, shape, pg)
         gid = uuid.uuid4().hex[:8]
         with self.lock:
             self.groups[gid] = group
-        return gid, group.workers, 0
+        return gid, group.workers, 0, time.time() - t
 
     def _start(self, cfg: TrialConfig, shape: tuple, pg) -> Group:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -285,9 +286,9 @@ class WarmRun:
         self.gid: str | None = None
 
     def run(self, t0: float, fault: str | None = None, instrument: bool = True) -> TrialResult:
-        cfg, healthy, gid = self.cfg, False, None
+        cfg, healthy = self.cfg, False
         try:
-            gid, workers, before = ray.get(self.pool.acquire.remote(cfg))
+            gid, workers, before, start_s = ray.get(self.pool.acquire.remote(cfg))
             self.gid = gid
             refs = [w.run.remote(cfg, fault, instrument) for w in workers]
             pending = list(refs)
@@ -302,7 +303,7 @@ class WarmRun:
         finally:
             self._release(healthy)
         result = summarize(cfg, summary, t0)
-        result.extra["worker_group"] = {"id": gid, "trials_before": before}
+        result.extra["worker_group"] = {"id": gid, "trials_before": before, "start_s": start_s}
         return result
 
     def _release(self, healthy: bool) -> None:
