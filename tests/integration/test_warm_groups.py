@@ -46,18 +46,23 @@ def test_trial_after_others_on_a_warm_group_trains_as_cold(ray_session, ray_stor
                                                                              cold.losses)
 
 
-def test_small_trial_after_a_large_one_reports_its_own_peak(ray_session, ray_storage):
-    small, large = ["world_size=1", "micro_batch=1"], ["world_size=1", "micro_batch=64"]
+def test_small_trial_after_a_large_one_reports_its_own_peak(ray_session):
+    """The same small trial before and after a large one on one warm group: the same peak. (A cold
+    trial's process differs from a warm worker in what else it imported, so the small trial's own
+    first run on the group is the reference.)"""
+    small = ["world_size=1", "zero_stage=0", "micro_batch=1"]
+    large = ["world_size=1", "zero_stage=0", "micro_batch=64"]
     with warm_pool(True, uuid.uuid4().hex[:8]) as pool:
+        before = _warm(pool, small)
         big = _warm(pool, large)
         after = _warm(pool, small)
-    cold = run_trial(trial(BASE + small), ray_storage)
-    assert after.extra["worker_group"]["trials_before"] == 1
-    assert big.peak_memory_gib > cold.peak_memory_gib + 0.2, (big.peak_memory_gib,
-                                                             cold.peak_memory_gib)
-    # its own peak: near the cold trial's, far below the large trial's
-    assert abs(after.peak_memory_gib - cold.peak_memory_gib) < 0.1 * cold.peak_memory_gib, (
-        after.peak_memory_gib, cold.peak_memory_gib, big.peak_memory_gib)
+    assert after.extra["worker_group"]["trials_before"] == 2
+    assert after.extra["worker_group"]["id"] == before.extra["worker_group"]["id"]
+    assert big.peak_memory_gib > before.peak_memory_gib + 0.2, (big.peak_memory_gib,
+                                                               before.peak_memory_gib)
+    # its own peak: the large trial's memory went back to the OS and the counter restarted
+    assert abs(after.peak_memory_gib - before.peak_memory_gib) < 0.05 * before.peak_memory_gib, (
+        before.peak_memory_gib, big.peak_memory_gib, after.peak_memory_gib)
 
 
 def _sweep(tmp_path, monkeypatch, name: str, extra: str, fault: str | None = None):

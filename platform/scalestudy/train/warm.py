@@ -35,7 +35,10 @@ from scalestudy.spec.trial import TrialConfig
 from scalestudy.train.result import failure_reason, summarize
 
 POOL_PREFIX = "scalestudy-warm-"
-WAIT_SLICE_S = 1.0  # how often a group waiting for resources looks for an idle group to take
+# How long a new group waits to be placed before idle groups of other shapes give their resources
+# up (and again between looks for an idle group of its own shape): placing takes milliseconds when
+# the resources are free.
+WAIT_SLICE_S = 0.25
 
 
 def resources_per_worker(cfg: TrialConfig) -> dict[str, float]:
@@ -185,8 +188,9 @@ class WarmPool:
         if found:
             return found[0], found[1].workers, found[1].trials - 1, 0.0
         pg = placement_group([resources_per_worker(cfg)] * cfg.world_size, strategy="PACK")
+        placed = pg.ready()
         while True:
-            ready, _ = ray.wait([pg.ready()], timeout=WAIT_SLICE_S)
+            ready, _ = ray.wait([placed], timeout=WAIT_SLICE_S)
             with self.lock:
                 found = None if ready else self._take_idle(shape, evict=True)
             if found:
