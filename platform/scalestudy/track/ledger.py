@@ -64,7 +64,11 @@ class Ledger:
     def rows(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
-        return pq.read_table(self.path).to_pylist()
+        # One read of the file's bytes: pyarrow opens a path more than once (footer, then pages),
+        # so a reader racing the writer's rename could take its footer from one version and its
+        # pages from the next ('Page was smaller than expected'; test_sweep's reader while the
+        # driver records the next trial).
+        return pq.read_table(pa.BufferReader(self.path.read_bytes())).to_pylist()
 
     def results(self) -> list[TrialResult]:
         return [row_to_result(r) for r in self.rows()]
