@@ -46,8 +46,11 @@ class RayReporter:
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     from scalestudy.spec.trial import TrialConfig
+    from scalestudy.train import timing
     from scalestudy.train.process import init_process_group, prepare_process
 
+    timing.start()
+    timing.mark("worker_entry")
     cfg = TrialConfig.model_validate(config["trial"])
     prepare_process(cfg)
     reporter = RayReporter(config["channel"])
