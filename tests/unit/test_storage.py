@@ -94,15 +94,21 @@ def test_ledger_round_trip_on_an_fsspec_uri():
 
 
 def test_ledger_round_trip_on_s3():
-    with s3_server("results"):
+    import boto3
+
+    with s3_server("results") as endpoint:
         root = "s3://results/prefix"
         ledger = Ledger(ledger_path("s3study", root))
         assert ledger.rows() == []
         result = _result(step_time_s=2.5)
         ledger.append(result)
-        (back,) = Ledger(ledger_path("s3study", root)).results()
-        assert back.trial_id == result.trial_id and back.step_time_s == 2.5
-        assert ledger.exists()
+        ledger.update(result.trial_id, mlflow_run_id="r1")
+        (back,) = Ledger(ledger_path("s3study", root)).rows()
+        assert back["trial_id"] == result.trial_id and back["step_time_s"] == 2.5
+        assert back["mlflow_run_id"] == "r1" and ledger.exists()
+        # The whole ledger is one object: no folder markers, no temp objects left behind.
+        listed = boto3.client("s3", endpoint_url=endpoint).list_objects_v2(Bucket="results")
+        assert [o["Key"] for o in listed["Contents"]] == ["prefix/s3study/trials.parquet"]
 
 
 def test_private_local_root_refused_in_one_line_with_the_fix(monkeypatch, tmp_path):

@@ -21,6 +21,8 @@ RESULTS_ROOT_ENV = "SCALESTUDY_RESULTS_ROOT"
 DEFAULT_RESULTS_ROOT = "results"
 # Schemes pyarrow resolves itself (FileSystem.from_uri), so Ray Train can be given the URI as is.
 PYARROW_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "file")
+# pyarrow filesystems with no real folders: making one would put empty marker objects.
+OBJECT_STORES = ("s3", "gcs")
 
 Location = Path | str  # a local path (Path) or a URI (str)
 
@@ -116,8 +118,8 @@ def write_bytes(location: Location, data: bytes) -> None:
         return
     fs, path = filesystem(location)
     parent = path.rsplit("/", 1)[0]
-    if parent and parent != path:
-        fs.create_dir(parent, recursive=True)  # a no-op on object stores, needed on HDFS
+    if fs.type_name not in OBJECT_STORES and parent and parent != path:
+        fs.create_dir(parent, recursive=True)  # HDFS, fsspec's filesystems need the folder
     with fs.open_output_stream(path) as f:  # one write, published by the store on close
         f.write(data)
 
