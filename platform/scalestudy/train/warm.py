@@ -103,6 +103,7 @@ class TrialWorker:
         self.local_rank = int(env["LOCAL_RANK"])
         prepare_process(cfg)
         init_process_group(cfg, self.local_rank)
+        import scalestudy.train.body  # noqa: F401 - its imports are the group's start, not a trial's
         self.clean = reentry.snapshot()
 
     def run(self, cfg: TrialConfig, fault: str | None, instrument: bool) -> dict[str, Any] | None:
