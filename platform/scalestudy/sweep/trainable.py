@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 RESULT_KEY = "trial_result_json"
+BACKSTOP_S = 120.0  # beyond both limits: time for run_trial to abort the trial and return
 
 
 def trial_trainable(
@@ -44,11 +45,14 @@ def trial_trainable(
         # Train controller and workers it owns die with it.
         worker = threading.Thread(target=_run, daemon=True, name="trial")
         worker.start()
-        worker.join(cfg.trial_timeout_s)
+        # run_trial enforces both limits itself (train/deadline.py: the wait for nodes, then the
+        # run from the worker group's start); this join is only the backstop should it not return.
+        worker.join(cfg.placement_timeout_s + cfg.trial_timeout_s + BACKSTOP_S)
         if worker.is_alive() or "r" not in box:
             result = TrialResult.from_config(
                 cfg, Status.timeout, wall_time_s=time.time() - t0,
-                reason=f"exceeded trial_timeout_s={cfg.trial_timeout_s:g}"
+                reason="exceeded placement_timeout_s + trial_timeout_s "
+                f"({cfg.placement_timeout_s:g} + {cfg.trial_timeout_s:g} s)"
                 if worker.is_alive() else "trial thread ended without a result",
             )
         else:

@@ -281,7 +281,8 @@ def run_body(cfg: TrialConfig, reporter: Reporter, *, fault: str | None = None,
     w = warmup_and_timed_window(trial, reporter, meters, injected)
     meter_readings = reduce_meters(trial, w, meters, reporter.local_rank)
     profiled = profiled_window(trial) if instrument and cfg.steps.profile else {}
-    summary = summary_of(trial, w, meter_readings, profiled)
+    # An adapter may add what only it knows (the Ray adapter: each rank's node).
+    summary = summary_of(trial, w, meter_readings, profiled, getattr(reporter, "summary_extra", {}))
     mine = summary if trial.rank == 0 else None
     reporter.report_summary(mine)
     return mine

@@ -88,5 +88,6 @@ def summarize(cfg: TrialConfig, summary: dict[str, Any], t0: float) -> TrialResu
                "comm_trace_device": summary.get("comm_trace_device"),
                "shard_shapes": summary.get("shard_shapes"),
                "final_world_size": summary.get("world_size", cfg.world_size),
-               "final_grad_accum": summary.get("grad_accum")},
+               "final_grad_accum": summary.get("grad_accum"),
+               "worker_node_ids": summary.get("worker_node_ids")},
     )
