@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tests.integration.local_cluster import BIN, Head, _kill_group, alive_nodes
+from tests.integration.local_cluster import BIN, Head, _kill_group, alive_nodes, free_port
 
 # A fake cluster's profile: cpu-local's figures, with one device per `devices_per_node` custom
 # resource instead of a core, so placement is decided by the test's resources alone.
@@ -57,7 +57,13 @@ def worker_nodes(head: Head, specs: list[dict[str, float]], log_dir) -> Iterator
             logs.append(log)
             cmd = [str(BIN / "ray"), "start", f"--address={head.gcs_address}", "--block",
                    f"--num-cpus={int(resources.get('CPU', 1))}",
-                   f"--resources={json.dumps(custom)}", "--disable-usage-stats"]
+                   f"--resources={json.dumps(custom)}", "--disable-usage-stats",
+                   # Several raylets on one machine: every port of their own (as Ray's fake
+                   # multi-node provider does), or the second node's agents fail to bind.
+                   "--min-worker-port=0", "--max-worker-port=0",
+                   *(f"--{p}={free_port()}" for p in (
+                       "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                       "metrics-export-port", "runtime-env-agent-port"))]
             proc = subprocess.Popen(cmd, env=head.env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             nodes.append(Node(proc, resources))

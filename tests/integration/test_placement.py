@@ -6,12 +6,14 @@ with hardware profiles that name those resources (fake_nodes.PROFILE)."""
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 
 import pytest
 
 from scalestudy.metrics import Status, TrialResult
-from scalestudy.spec.load import load_spec, plan
+from scalestudy.spec.load import load_spec
+from scalestudy.spec.study import expand
 from tests.integration.fake_nodes import PROFILE, worker_nodes
 from tests.integration.local_cluster import BIN, leftover_processes, local_head
 
@@ -54,6 +56,21 @@ def _run(head, spec, cwd) -> TrialResult:
     return TrialResult.model_validate_json(lines[-1])
 
 
+def _run_config(head, cfg_file, cwd) -> TrialResult:
+    """run_trial on a TrialConfig as given, past the planner's checks."""
+    code = ("import pathlib, sys\n"
+            "from scalestudy.spec.trial import TrialConfig\n"
+            "from scalestudy.train.launch import ensure_ray, run_trial\n"
+            "cfg = TrialConfig.model_validate_json(pathlib.Path(sys.argv[1]).read_text())\n"
+            "ensure_ray()\n"
+            "print(run_trial(cfg, pathlib.Path('ray')).model_dump_json())\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(cfg_file)], cwd=cwd, env=head.env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, (proc.stdout[-2000:], proc.stderr[-3000:])
+    return TrialResult.model_validate_json(lines[-1])
+
+
 def test_placement_world2_lands_on_one_node(cluster, tmp_path):
     head, _ = cluster
     spec = _spec(tmp_path, "onenode", {"devices_per_node": 2, "accelerator_type": "fake-A",
@@ -71,12 +88,18 @@ def test_placement_tp_group_across_nodes_is_refused(cluster, tmp_path):
     head, _ = cluster
     spec = _spec(tmp_path, "tpspan", {"devices_per_node": 1, "accelerator_type": "fake-A",
                                       "device_resource": "fake_single"}, tp=2)
-    (planned,) = plan(load_spec(spec))
-    assert planned.reason == ("tp 2 exceeds the 1 devices per node of tpspan-hw: a TP group "
-                              "would cross nodes")
-    r = _run(head, spec, tmp_path)
+    reason = "tp 2 exceeds the 1 devices per node of tpspan-hw: a TP group would cross nodes"
+    (planned,) = expand(load_spec(spec))
+    assert planned.reason == reason
+    refused = subprocess.run([str(BIN / "scalestudy"), "run", str(spec)], cwd=tmp_path,
+                             env=head.env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and reason in " ".join((refused.stdout + refused.stderr).split())
+    # Past the planner (a stale profile, another trial on part of a node): the workers' check.
+    cfg_file = tmp_path / "tpspan-config.json"
+    cfg_file.write_text(planned.config.model_dump_json())
+    r = _run_config(head, cfg_file, tmp_path)
     assert r.status is Status.failed
-    assert r.reason.startswith("placement: TP group [0, 1] spans nodes "), r.reason
+    assert "placement: TP group [0, 1] spans nodes " in r.reason, r.reason
     assert r.reason.endswith("a TP group must share one node"), r.reason
     print(f"\nrefused: {r.reason}")
 
