@@ -34,6 +34,9 @@ calibration: {{overlap_slowdown: 1.0}}
 """
 
 
+ATTEMPTS = 3
+
+
 @dataclass
 class Node:
     proc: subprocess.Popen
@@ -44,35 +47,52 @@ class Node:
         _kill_group(self.proc)
 
 
+def _start_node(head: Head, resources: dict[str, float], log) -> subprocess.Popen:
+    custom = {k: v for k, v in resources.items() if k != "CPU"}
+    cmd = [str(BIN / "ray"), "start", f"--address={head.gcs_address}", "--block",
+           f"--num-cpus={int(resources.get('CPU', 1))}",
+           f"--resources={json.dumps(custom)}", "--disable-usage-stats",
+           # Several raylets on one machine: every port of their own (as Ray's fake multi-node
+           # provider does), or the second node's agents fail to bind.
+           "--min-worker-port=0", "--max-worker-port=0",
+           *(f"--{p}={free_port()}" for p in (
+               "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+               "metrics-export-port", "runtime-env-agent-port"))]
+    return subprocess.Popen(cmd, env=head.env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _raylet_errors(head: Head) -> str:
+    return "".join(p.read_text(errors="replace")[-600:]
+                   for p in head.temp_dir.glob("session_*/logs/raylet*.err"))
+
+
 @contextlib.contextmanager
 def worker_nodes(head: Head, specs: list[dict[str, float]], log_dir) -> Iterator[list[Node]]:
-    """Start one node per resource dict (its "CPU" entry is its CPU count) and wait until all
-    are alive; every node is killed on exit."""
+    """Start one node per resource dict (its "CPU" entry is its CPU count), one at a time, each
+    alive before the next starts; every node is killed on exit. `ray start` gives a raylet 30 s to
+    register, which a loaded 2-core machine can miss: a node that gave up is started again."""
     nodes: list[Node] = []
     logs = []
     try:
         for i, resources in enumerate(specs):
-            custom = {k: v for k, v in resources.items() if k != "CPU"}
-            log = open(log_dir / f"node{i}.log", "w")
-            logs.append(log)
-            cmd = [str(BIN / "ray"), "start", f"--address={head.gcs_address}", "--block",
-                   f"--num-cpus={int(resources.get('CPU', 1))}",
-                   f"--resources={json.dumps(custom)}", "--disable-usage-stats",
-                   # Several raylets on one machine: every port of their own (as Ray's fake
-                   # multi-node provider does), or the second node's agents fail to bind.
-                   "--min-worker-port=0", "--max-worker-port=0",
-                   *(f"--{p}={free_port()}" for p in (
-                       "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                       "metrics-export-port", "runtime-env-agent-port"))]
-            proc = subprocess.Popen(cmd, env=head.env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            nodes.append(Node(proc, resources))
-        deadline = time.time() + 180
-        while alive_nodes(head) < 1 + len(specs):
-            assert time.time() < deadline, "worker nodes did not join: " + "".join(
-                (log_dir / f"node{i}.log").read_text()[-800:] for i in range(len(specs)))
-            time.sleep(1)
-        yield nodes
+            for attempt in range(ATTEMPTS):
+                log = open(log_dir / f"node{i}-{attempt}.log", "w")
+                logs.append(log)
+                node = Node(_start_node(head, resources, log), resources)
+                nodes.append(node)
+                deadline = time.time() + 120
+                while alive_nodes(head) < 2 + i and node.proc.poll() is None:
+                    assert time.time() < deadline, f"node {i} did not join"
+                    time.sleep(1)
+                if node.proc.poll() is None:
+                    break
+                node.remove()
+            else:
+                raise AssertionError(f"node {i} did not start in {ATTEMPTS} attempts: "
+                                     f"{(log_dir / f'node{i}-{ATTEMPTS - 1}.log').read_text()[-800:]}"
+                                     f"{_raylet_errors(head)}")
+        yield [n for n in nodes if n.proc.poll() is None]
     finally:
         for node in nodes:
             node.remove()
