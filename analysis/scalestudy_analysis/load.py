@@ -223,7 +223,7 @@ def load_study(study: str | Iterable[str], *, source: str = "auto",
                              tracking_uri=tracking_uri) for s in study]
         return tidy(pd.concat(frames, ignore_index=True))
     path = ledger_path(study, results_root)
-    if source in ("auto", "ledger") and path.exists():
+    if source in ("auto", "ledger") and Ledger(path).exists():
         return load_ledger(path)
     if source in ("auto", "mlflow"):
         try:

@@ -136,10 +136,10 @@ def report_study(study: str, out_dir: str | Path | None = None, *,
     uri = resolve_tracking_uri(tracking_uri or spec_uri)
     df = load_study(study, source=source, results_root=results_root, tracking_uri=uri,
                     experiment=experiment, artifacts=True)
-    from scalestudy.track.ledger import ledger_path
+    from scalestudy.track.ledger import Ledger, ledger_path
 
     ledger = ledger_path(study, results_root)
-    from_ledger = source != "mlflow" and ledger.exists()
+    from_ledger = source != "mlflow" and Ledger(ledger).exists()
     data_source = f"the ledger {ledger}" if from_ledger else f"MLflow ({uri})"
     notes: list[str] = []
     run_id = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 RESULT_KEY = "trial_result_json"
@@ -24,6 +23,7 @@ def trial_trainable(
     from scalestudy.metrics import Status, TrialResult
     from scalestudy.spec.study import AXES, build_trial, resolve_point
     from scalestudy.sweep.feasibility import with_memory_check
+    from scalestudy.track.storage import ray_storage
     from scalestudy.train.launch import run_trial
 
     t0 = time.time()
@@ -39,7 +39,7 @@ def trial_trainable(
         box: dict[str, TrialResult] = {}
 
         def _run() -> None:
-            box["r"] = run_trial(cfg, Path(storage), t0=t0, fault=fault)
+            box["r"] = run_trial(cfg, t0=t0, fault=fault, **ray_storage(storage))
 
         # Daemon thread: on timeout this function returns, Tune stops the trial's actor, and the
         # Train controller and workers it owns die with it.

@@ -30,7 +30,7 @@ from scalestudy.measure.utilization import make_utilization
 from scalestudy.parallel.deepspeed_config import deepspeed_config
 from scalestudy.parallel.layout import Layout
 from scalestudy.spec.trial import TrialConfig
-from scalestudy.train import resume, segments
+from scalestudy.train import resume, segments, timing
 from scalestudy.train.data import global_batch
 from scalestudy.train.model_factory import build_model
 from scalestudy.train.process import device_for, sync
@@ -91,11 +91,13 @@ def build(cfg: TrialConfig, device: torch.device) -> Trial:
     layout = cfg.layout.resized(dist.get_world_size())
     ds_config = deepspeed_config(cfg, layout)
     model = build_model(cfg.model_dims, cfg.seed, cfg.activation_checkpointing)
+    timing.mark("model_built")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config)
     trial = Trial(cfg, layout, engine, device, dist.get_rank(), ds_config)
     if layout.tp > 1:
         _check_tp_group(trial)
+    timing.mark("engine_ready")
     return trial
 
 
@@ -173,10 +175,12 @@ def warmup_and_timed_window(trial: Trial, reporter: Reporter, meters: Meters,
     w = Window(state, list(state.losses), checkpoints, fault_step)
     start, timed_from = state.next_step, state.timed_from
     run_steps(trial, range(start, timed_from), w, reporter, timed=False)
+    timing.mark("warmed_up")
     meters.start()
     if state.first_measured_wall is None:
         state.first_measured_wall = time.time()
     run_steps(trial, range(max(timed_from, start), state.end_step), w, reporter, timed=True)
+    timing.mark("timed_window_done")
     return w
 
 
@@ -263,6 +267,7 @@ def summary_of(trial: Trial, w: Window, *parts: dict[str, Any]) -> dict[str, Any
         "shard_shapes": _gather_shard_shapes(trial.engine.module),
         "deepspeed_config": trial.ds_config,
         **{k: v for part in parts for k, v in part.items()},
+        "timing": timing.marks(),  # rank 0's wall-clock marks of this trial (train/timing.py)
     }
 
 
@@ -286,6 +291,7 @@ def run_body(cfg: TrialConfig, reporter: Reporter, *, fault: str | None = None,
     w = warmup_and_timed_window(trial, reporter, meters, injected)
     meter_readings = reduce_meters(trial, w, meters, reporter.local_rank)
     profiled = profiled_window(trial) if instrument and cfg.steps.profile else {}
+    timing.mark("windows_done")
     # An adapter may add what only it knows (the Ray adapter: each rank's node).
     summary = summary_of(trial, w, meter_readings, profiled, getattr(reporter, "summary_extra", {}))
     mine = summary if trial.rank == 0 else None

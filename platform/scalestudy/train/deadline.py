@@ -6,9 +6,9 @@ which must not eat into the run's own limit. `trial_timeout_s` counts from that 
 ends the trial as a timeout with its own reason, and aborts the trial's Train controller so its
 placement group and workers go with it.
 
-The controller runs in its own actor (Ray Train v2), so it tells the driver through a small actor
-(StartSignal): a callback in the controller hands over the controller's handle when it starts and
-marks the worker group's start; the driver polls it.
+The controller runs in its own actor (Ray Train v2), so it tells the driver through the trial's
+TrialChannel actor (train/channel.py): a callback in the controller hands over the controller's
+handle when it starts and marks each worker-group start; the driver polls the channel.
 """
 
 from __future__ import annotations
@@ -23,49 +23,24 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Worker
 from scalestudy.spec.trial import TrialConfig
 
 POLL_S = 1.0
-ABORT_WAIT_S = 30.0
+ABORT_WAIT_S = 5.0  # a controller waiting for its placement group answers no abort: kill it
 
 
 class TrialTimeout(Exception):
     """A trial ran past one of its limits; the message is the recorded reason."""
 
 
-@ray.remote(num_cpus=0)
-class StartSignal:
-    def __init__(self) -> None:
-        self.controller = None
-        self.worker_group_starts = 0
-
-    def set_controller(self, handle: list) -> None:
-        self.controller = handle[0]  # in a list: a bare handle argument would be resolved
-
-    def mark_started(self) -> None:
-        self.worker_group_starts += 1
-
-    def state(self) -> tuple[int, Any]:
-        return self.worker_group_starts, ([self.controller] if self.controller else None)
-
-
 class StartCallback(ControllerCallback, WorkerGroupCallback):
     """Runs in the Train controller: reports the controller's handle and each worker-group start."""
 
-    def __init__(self, signal) -> None:
-        self.signal = signal
+    def __init__(self, channel) -> None:
+        self.channel = channel
 
     def after_controller_start(self, train_run_context) -> None:
-        self.signal.set_controller.remote([ray.get_runtime_context().current_actor])
+        self.channel.set_controller.remote([ray.get_runtime_context().current_actor])
 
     def after_worker_group_start(self, worker_group) -> None:
-        self.signal.mark_started.remote()
-
-
-def new_signal():
-    """The signal actor on this (the driver's) node, which lives as long as the trial's driver."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    here = ray.get_runtime_context().get_node_id()
-    return StartSignal.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+        self.channel.mark_started.remote()
 
 
 def _abort(controller) -> None:
@@ -76,7 +51,7 @@ def _abort(controller) -> None:
         ray.kill(controller, no_restart=True)
 
 
-def fit_within_limits(trainer, cfg: TrialConfig, signal, t0: float, waiting_for: str):
+def fit_within_limits(trainer, cfg: TrialConfig, channel, t0: float, waiting_for: str):
     """trainer.fit() under both limits; TrialTimeout(reason) when one is exceeded."""
     box: dict[str, Any] = {}
 
@@ -93,7 +68,7 @@ def fit_within_limits(trainer, cfg: TrialConfig, signal, t0: float, waiting_for:
         thread.join(POLL_S)
         if not thread.is_alive():
             break
-        starts, controller = ray.get(signal.state.remote())
+        starts, controller = ray.get(channel.start_state.remote())
         now = time.time()
         if starts and started_at is None:
             started_at = now  # the driver's clock: nodes' clocks may differ

@@ -92,5 +92,8 @@ def summarize(cfg: TrialConfig, summary: dict[str, Any], t0: float) -> TrialResu
                "shard_shapes": summary.get("shard_shapes"),
                "final_world_size": summary.get("world_size", cfg.world_size),
                "final_grad_accum": summary.get("grad_accum"),
-               "worker_node_ids": summary.get("worker_node_ids")},
+               "worker_node_ids": summary.get("worker_node_ids"),
+               # where the trial's time went: epoch-second marks of rank 0 and the adapter
+               # (train/timing.py), from the trial's start in its adapter
+               "timing": {"trial_start": t0, **summary.get("timing", {})}},
     )
