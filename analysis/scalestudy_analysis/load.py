@@ -39,6 +39,8 @@ OPTIONAL_METRICS = (M.COMPUTE_TIME_S, M.BUBBLE_TIME_S, M.NODE_OVERHEAD_POWER_W_E
 class StudyNotFound(LookupError):
     """Neither a ledger nor an MLflow experiment holds trials of this study."""
 
+PROFILES_ATTR = "prediction_profiles"  # df.attrs: {hardware name: the profile its predictions came from}
+
 
 def _field_kinds() -> dict[str, type]:
     """TrialResult field -> the Python type its values take (MLflow hands every param back as str)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -210,13 +211,21 @@ def report(
     tracking_uri: Annotated[Optional[str], typer.Option("--tracking-uri",
                             help="default: the spec's, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")] = None,
     results_root: RootOpt = DEFAULT_RESULTS_ROOT,
+    profile: Annotated[Optional[Path], typer.Option(
+        "--profile", help="hardware profile YAML (from `scalestudy calibrate`) that predicts the "
+        "measured trials of its hardware name (default: the catalogue's)")] = None,
 ) -> None:
     """Figures + a self-contained HTML report of a study; prints the path of report.html."""
+    from scalestudy.spec.catalog import load_hardware_file
     from scalestudy_analysis.load import StudyNotFound
     from scalestudy_analysis.report import report_study
 
+    if profile and not profile.is_file():
+        _fail(SpecError("--profile", str(profile), "no such file; write one with `scalestudy calibrate`"))
     try:
-        rep = report_study(study, out_dir, tracking_uri=tracking_uri, results_root=results_root)
+        hw = load_hardware_file(profile) if profile else None
+        rep = report_study(study, out_dir, tracking_uri=tracking_uri, results_root=results_root,
+                           profile=hw)
     except StudyNotFound as e:
         _fail(SpecError("study", study, f"{e}; run `scalestudy sweep` on its spec first"))
     for note in rep.notes:
@@ -261,19 +270,31 @@ def calibrate(
         "calibrated-cpu-local.yaml"),
     hardware: Annotated[str, typer.Option(help="catalogue entry the profile starts from")] = "cpu-local",
     quick: Annotated[bool, typer.Option("--quick", help="fewer shapes and sizes (tests)")] = False,
+    local: Annotated[bool, typer.Option("--local", help="no Ray: this process and one process per "
+                                        "core (calibrate/local.py)")] = False,
+    precision: Annotated[Optional[list[str]], typer.Option(
+        "--precision", help="precision to benchmark, repeatable (default: what `auto` resolves to "
+        "here, the one studies run at)")] = None,
 ) -> None:
-    """Microbenchmark this Ray cluster (GEMM, memory, per-op and per-step costs, collectives) and
-    write a hardware profile that a spec's `hardware:` accepts."""
-    from scalestudy.calibrate.run import calibrate as run_calibration
+    """Microbenchmark this Ray cluster, or this machine with --local (GEMM, memory, per-op and
+    per-step costs, collectives) and write a hardware profile that a spec's `hardware:` accepts."""
     from scalestudy.spec import catalog
 
     if hardware not in catalog.hardware_names():
         _fail(SpecError("--hardware", hardware,
                         f"choose one of {', '.join(catalog.hardware_names())}"))
+    if precision and not set(precision) <= {"fp32", "bf16", "fp16"}:
+        _fail(SpecError("--precision", precision, "choose from fp32, bf16, fp16"))
+    if local:
+        from scalestudy.calibrate.local import calibrate_local as run_calibration
+    else:
+        from scalestudy.calibrate.run import calibrate as run_calibration
+    t0 = time.time()
     try:
-        profile = run_calibration(catalog.get_hardware(hardware), quick=quick)
+        profile = run_calibration(catalog.get_hardware(hardware), quick=quick, precisions=precision)
     except NotImplementedError as e:
         _fail(SpecError("--hardware", hardware, str(e)))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     catalog.write_profile(profile, out_path)
     cal = profile.calibration
     rows = [{"figure": k, "value": v} for k, v in (
@@ -281,7 +302,7 @@ def calibrate(
         ("hbm_gbps", profile.hbm_gbps), ("nvlink_gbps_per_gpu", profile.nvlink_gbps_per_gpu),
         *((k, v) for k, v in cal.items() if not isinstance(v, list)))]
     out.print(_trial_table(rows, ["figure", "value"], title=f"calibrated {hardware}"))
-    out.print(f"wrote {out_path}; use it with --set hardware={out_path}")
+    out.print(f"wrote {out_path} in {time.time() - t0:.0f} s; use it with --set hardware={out_path}")
 
 
 @app.command()
@@ -295,6 +316,7 @@ def fit(
     """Fit the performance model's efficiency parameters to a study's measured trials."""
     from scalestudy.perfmodel.fit import FitResult
     from scalestudy.perfmodel.fit import fit as run_fit
+    from scalestudy.perfmodel.fit import held_out_predictions
     from scalestudy.perfmodel.fit_data import measured_trials
     from scalestudy.spec.catalog import write_profile
     from scalestudy.spec.trial import name_axes_of, trial_name
@@ -315,13 +337,19 @@ def fit(
     except SpecError as e:
         _fail(e)
     res = run_fit(cfgs, measured, hw)
+    held, split = (held_out_predictions(cfgs, measured, hw) if len(cfgs) > 1
+                   else ([math.nan] * len(cfgs), "none: one trial"))
     axes = name_axes_of(results)
     rows = [{"trial": trial_name(r, axes), "measured_tokens_per_s": m, "before": b,
-             "err_before": b / m - 1, "after": a, "err_after": a / m - 1}
-            for r, m, b, a in zip(results, measured, res.predicted_before, res.predicted_after)]
+             "err_before": b / m - 1, "fitted_in_sample": a, "err_in_sample": a / m - 1,
+             "held_out": h, "err_out_of_sample": h / m - 1}
+            for r, m, b, a, h in zip(results, measured, res.predicted_before,
+                                     res.predicted_after, held)]
     out.print(_trial_table(rows, list(rows[0]), title=f"{study}: tokens/s, measured vs model"))
-    out.print(f"MAPE before {FitResult.mape(res.predicted_before, measured):.1%}, "
-              f"after {FitResult.mape(res.predicted_after, measured):.1%}; fitted "
+    out.print(f"MAPE before fitting {FitResult.mape(res.predicted_before, measured):.1%}; "
+              f"in sample (fitted on all {len(cfgs)} trials) "
+              f"{FitResult.mape(res.predicted_after, measured):.1%}; out of sample ({split}: each "
+              f"trial predicted by a fit without it) {FitResult.mape(held, measured):.1%}; fitted "
               + ", ".join(f"{n}={getattr(res.after, n):.4g}" for n in res.names))
     target = out_path or default_dir / f"fitted-{hw.name}.yaml"
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -27,9 +27,11 @@ REPO = Path(__file__).parents[2]
 
 # Marks in the order a trial passes them, each naming what happened since the previous present
 # mark (a warm trial has no imports or process group of its own: those were paid once per group).
+GROUP_START = ("warm group start: placement, worker processes, imports, process group (once per "
+               "group)")
 SEGMENTS = (
     ("worker_entry", "start-up before the body: Ray Train controller, placement group and worker "
-                     "processes (cold), or a warm group's lease and, once per group, its start"),
+                     "processes (cold), or a warm group's lease"),
     ("imported", "imports in the worker (torch, DeepSpeed)"),
     ("process_group", "process-group init (deepspeed.init_distributed)"),
     ("model_built", "model build"),
@@ -96,7 +98,8 @@ def step_time_sum(results: list[dict]) -> float:
 
 def breakdown(start: float, end: float, results: list[dict]) -> dict[str, float]:
     """Seconds per trial (mean) in each part of the sweep that is not a timed step."""
-    parts = dict.fromkeys(["sweep start-up (CLI, Ray, Tune)", *(label for _, label in SEGMENTS),
+    parts = dict.fromkeys(["sweep start-up (CLI, Ray, Tune)", GROUP_START,
+                           *(label for _, label in SEGMENTS),
                            "between trials (Tune)", "sweep end (Tune, Ray shut-down)"], 0.0)
     trials = sorted((r for r in results if r["extra"].get("timing")),
                     key=lambda r: r["extra"]["timing"]["trial_start"])
@@ -109,6 +112,9 @@ def breakdown(start: float, end: float, results: list[dict]) -> dict[str, float]
             parts["sweep start-up (CLI, Ray, Tune)"] += at - start
         else:
             parts["between trials (Tune)"] += at - previous_end
+        group_start = r["extra"].get("worker_group", {}).get("start_s", 0.0)
+        parts[GROUP_START] += group_start
+        at += group_start  # the rest of the way to worker_entry is the lease and the actor call
         for name, label in SEGMENTS:
             if name in marks:
                 parts[label] += marks[name] - at
@@ -130,6 +136,9 @@ def report_sweep(title: str, start: float, end: float, results: list[dict], n: i
     for label, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
         print(f"    {seconds:6.2f}  {label}")
     print(f"    {sum(parts.values()):6.2f}  sum of the parts")
+    groups = {r["extra"]["worker_group"]["id"] for r in results if "worker_group" in r["extra"]}
+    if groups:
+        print(f"  {len(groups)} warm groups for {n} trials")
 
 
 def main(argv: list[str] | None = None) -> None:

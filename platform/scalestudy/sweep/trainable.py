@@ -16,7 +16,8 @@ BACKSTOP_S = 120.0  # beyond both limits: time for run_trial to abort the trial 
 
 
 def trial_trainable(
-    config: dict[str, Any], *, spec, storage: str, fault: str | None, skip_ids: frozenset[str]
+    config: dict[str, Any], *, spec, storage: str, fault: str | None, skip_ids: frozenset[str],
+    pool: str | None = None,
 ) -> None:
     from ray import tune
 
@@ -25,6 +26,7 @@ def trial_trainable(
     from scalestudy.sweep.feasibility import with_memory_check
     from scalestudy.track.storage import ray_storage
     from scalestudy.train.launch import run_trial
+    from scalestudy.train.warm import warm_run
 
     t0 = time.time()
     axes = config.get("point") or {a: config[a] for a in AXES}
@@ -37,22 +39,30 @@ def trial_trainable(
         result = TrialResult.from_config(cfg, Status.infeasible, reason=planned.reason)
     else:
         box: dict[str, TrialResult] = {}
+        warm = warm_run(pool, cfg)  # None: a cold Ray Train worker group of its own
 
         def _run() -> None:
-            box["r"] = run_trial(cfg, t0=t0, fault=fault, **ray_storage(storage))
+            box["r"] = (warm.run(t0, fault) if warm else
+                        run_trial(cfg, t0=t0, fault=fault, **ray_storage(storage)))
 
         # Daemon thread: on timeout this function returns, Tune stops the trial's actor, and the
         # Train controller and workers it owns die with it.
         worker = threading.Thread(target=_run, daemon=True, name="trial")
         worker.start()
-        # run_trial enforces both limits itself (train/deadline.py: the wait for nodes, then the
-        # run from the worker group's start); this join is only the backstop should it not return.
-        worker.join(cfg.placement_timeout_s + cfg.trial_timeout_s + BACKSTOP_S)
+        # A cold trial's run_trial enforces both limits itself (train/deadline.py: the wait for
+        # nodes, then the run from the worker group's start), so its join is only a backstop; a
+        # warm group's trial is bounded here by trial_timeout_s alone.
+        limit_s = (cfg.trial_timeout_s if warm else
+                   cfg.placement_timeout_s + cfg.trial_timeout_s + BACKSTOP_S)
+        worker.join(limit_s)
+        if worker.is_alive() and warm:
+            warm.abandon()  # its workers belong to the sweep's pool, not to this actor
         if worker.is_alive() or "r" not in box:
             result = TrialResult.from_config(
                 cfg, Status.timeout, wall_time_s=time.time() - t0,
-                reason="exceeded placement_timeout_s + trial_timeout_s "
-                f"({cfg.placement_timeout_s:g} + {cfg.trial_timeout_s:g} s)"
+                reason=(f"exceeded trial_timeout_s={cfg.trial_timeout_s:g}" if warm else
+                        "exceeded placement_timeout_s + trial_timeout_s "
+                        f"({cfg.placement_timeout_s:g} + {cfg.trial_timeout_s:g} s)")
                 if worker.is_alive() else "trial thread ended without a result",
             )
         else:

@@ -56,6 +56,7 @@ def _searcher(spec: StudySpec):
 def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, results_root: str | Path,
              max_concurrent, fault, verbose) -> None:
     from scalestudy.train.launch import ensure_ray
+    from scalestudy.train.warm import pool_name, warm_pool
 
     ensure_ray(verbose=verbose)
     # A URI stays a URI (str); a local root becomes absolute here, where the driver's cwd is known.
@@ -63,7 +64,7 @@ def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, result
     trainable = tune.with_resources(
         tune.with_parameters(
             trial_trainable, spec=spec, storage=str(storage.join(study_dir, "train")), fault=fault,
-            skip_ids=frozenset(skip_ids),
+            skip_ids=frozenset(skip_ids), pool=pool_name(spec.workers.reuse, recorder.sweep_id),
         ),
         TRAINABLE_RESOURCES,
     )
@@ -85,7 +86,8 @@ def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, result
             callbacks=[_RecordCallback(spec, recorder, progress)],
         ),
     )
-    tuner.fit()
+    with warm_pool(spec.workers.reuse, recorder.sweep_id):  # warm groups live as long as the sweep
+        tuner.fit()
 
 
 class _RecordCallback(Callback):
