@@ -42,8 +42,10 @@ WAIT_SLICE_S = 0.25
 
 
 def resources_per_worker(cfg: TrialConfig) -> dict[str, float]:
-    """As a cold trial's ScalingConfig asks (train/launch.py)."""
-    return {"GPU": 1, "CPU": 8} if cfg.hardware_profile.kind == "gpu" else {"CPU": 1}
+    """As a cold trial's ScalingConfig asks (train/placement.py: the profile's device and CPUs)."""
+    from scalestudy.train.placement import resources_per_worker as from_profile
+
+    return from_profile(cfg)
 
 
 def shape_of(cfg: TrialConfig) -> tuple:
