@@ -38,3 +38,23 @@ def test_ranks_are_contiguous_per_node_and_gpus_follow_local_rank():
     assert envs[0]["CUDA_VISIBLE_DEVICES"] == "1,3" and envs[3]["CUDA_VISIBLE_DEVICES"] == "0,1"
     cpu = _rank_env([("n1", "ip", []), ("n1", "ip", [])])
     assert [e["RANK"] for e in cpu] == ["0", "1"] and "CUDA_VISIBLE_DEVICES" not in cpu[0]
+
+
+def test_warm_group_asks_what_a_cold_trial_asks():
+    """A warm group's bundles are a cold trial's: the profile's device, its CPUs and its
+    accelerator type as Ray Train's own constraint resource (so a mixed cluster keeps an A100
+    trial off H100 nodes on both paths)."""
+    from ray._common.utils import RESOURCE_CONSTRAINT_PREFIX
+    from ray.air.config import ScalingConfig
+
+    from scalestudy.spec.load import plan
+    from scalestudy.train.placement import placement_for
+    from scalestudy.train.warm import resources_per_worker
+
+    cfg = plan(load_spec(QUICKSTART, ["hardware=a100-80gb"]))[0].config
+    placement = placement_for(cfg)
+    cold = ScalingConfig(num_workers=cfg.world_size, use_gpu=placement.use_gpu,
+                         resources_per_worker=placement.resources_per_worker,
+                         accelerator_type=placement.accelerator_type)._resources_per_worker_not_none
+    assert resources_per_worker(cfg) == cold
+    assert f"{RESOURCE_CONSTRAINT_PREFIX}A100" in cold

@@ -42,8 +42,16 @@ WAIT_SLICE_S = 0.25
 
 
 def resources_per_worker(cfg: TrialConfig) -> dict[str, float]:
-    """As a cold trial's ScalingConfig asks (train/launch.py)."""
-    return {"GPU": 1, "CPU": 8} if cfg.hardware_profile.kind == "gpu" else {"CPU": 1}
+    """As a cold trial's ScalingConfig asks (train/placement.py: the profile's device and CPUs,
+    and its accelerator type as the 0.001-unit constraint resource Ray Train itself adds)."""
+    from ray._common.utils import RESOURCE_CONSTRAINT_PREFIX
+
+    from scalestudy.train.placement import resources_per_worker as from_profile
+
+    res = from_profile(cfg)
+    if cfg.hardware_profile.accelerator_type:
+        res[f"{RESOURCE_CONSTRAINT_PREFIX}{cfg.hardware_profile.accelerator_type}"] = 0.001
+    return res
 
 
 def shape_of(cfg: TrialConfig) -> tuple:
@@ -103,6 +111,7 @@ class TrialWorker:
         self.local_rank = int(env["LOCAL_RANK"])
         prepare_process(cfg)
         init_process_group(cfg, self.local_rank)
+        import scalestudy.train.body  # noqa: F401 - its imports are the group's start, not a trial's
         self.clean = reentry.snapshot()
 
     def run(self, cfg: TrialConfig, fault: str | None, instrument: bool) -> dict[str, Any] | None:
@@ -111,10 +120,15 @@ class TrialWorker:
         from scalestudy.train import reentry, timing
         from scalestudy.train.body import run_body
 
+        from scalestudy.train.placement import check_tp_nodes
+
         timing.start()
         timing.mark("worker_entry")
         try:
-            return run_body(cfg, WarmReporter(self.local_rank), fault=fault, instrument=instrument)
+            reporter = WarmReporter(self.local_rank)
+            # As a cold trial's workers do: a TP group across nodes fails with its reason.
+            reporter.summary_extra = {"worker_node_ids": check_tp_nodes(cfg)}
+            return run_body(cfg, reporter, fault=fault, instrument=instrument)
         finally:
             reentry.end_trial(self.clean)
 
@@ -187,10 +201,18 @@ class WarmPool:
             found = self._take_idle(shape, evict=False)
         if found:
             return found[0], found[1].workers, found[1].trials - 1, 0.0
-        pg = placement_group([resources_per_worker(cfg)] * cfg.world_size, strategy="PACK")
+        from scalestudy.train.placement import placement_for
+
+        pg = placement_group([resources_per_worker(cfg)] * cfg.world_size,
+                             strategy=placement_for(cfg).placement_strategy)
         placed = pg.ready()
         while True:
             ready, _ = ray.wait([placed], timeout=WAIT_SLICE_S)
+            if not ready and time.time() - t > cfg.placement_timeout_s:
+                remove_placement_group(pg)
+                raise RuntimeError(
+                    f"placement: exceeded placement_timeout_s={cfg.placement_timeout_s:g} waiting "
+                    f"for {cfg.world_size} x {resources_per_worker(cfg)}")
             with self.lock:
                 found = None if ready else self._take_idle(shape, evict=True)
             if found:
