@@ -252,9 +252,11 @@ def calibrate(
     if hardware not in catalog.hardware_names():
         _fail(SpecError("--hardware", hardware,
                         f"choose one of {', '.join(catalog.hardware_names())}"))
+    from scalestudy.calibrate.gpu import NoCudaDevice
+
     try:
         profile = run_calibration(catalog.get_hardware(hardware), quick=quick)
-    except NotImplementedError as e:
+    except (NotImplementedError, NoCudaDevice) as e:
         _fail(SpecError("--hardware", hardware, str(e)))
     catalog.write_profile(profile, out_path)
     cal = profile.calibration
