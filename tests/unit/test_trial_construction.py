@@ -67,7 +67,8 @@ def test_engine_settings_are_explicit_per_device_kind():
     gpu3 = deepspeed_config(trial(["zero_stage=3", "world_size=1", "hardware=h100-80gb"]))
     assert cpu1["optimizer"]["params"]["fused"] is False and gpu1["optimizer"]["params"]["fused"] is True
     assert cpu1["optimizer"]["params"]["torch_adam"] is True
-    assert cpu1["zero_optimization"]["overlap_comm"] is False
+    assert cpu1["zero_optimization"]["overlap_comm"] is False  # DeepSpeed's CPU defaults, written out
+    assert deepspeed_config(trial(["zero_stage=3", "world_size=1"]))["zero_optimization"]["overlap_comm"]
     for ds in (gpu1, gpu3):
         z = ds["zero_optimization"]
         assert z["overlap_comm"] is True and z["contiguous_gradients"] is True and z["reduce_bucket_size"] > 0
