@@ -78,3 +78,23 @@ def test_calibrate_on_a_gpu_profile_is_no_longer_refused_as_unimplemented(monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(gpu.NoCudaDevice):
         run.calibrate(get_hardware("h100-80gb"))
+
+
+def test_profile_from_measured_figures_is_one_the_model_reads():
+    from scalestudy.calibrate.gpu import profile_from
+    from scalestudy.perfmodel.predict import predict
+    from scalestudy.spec.catalog import get_hardware
+    from tests.conftest import trial
+
+    base = get_hardware("h100-80gb")
+    alone = {"gemm": [[1e10, 300.0], [1.1e12, 700.0]], "hbm_gbps": 2900.0,
+             "attention": [[128.0, 2048.0, 64.0, 1e-3, 2.5e-3]], "reference_step_s": 0.02}
+    curve = [[2.0**20, 40.0], [2.0**30, 360.0]]
+    shared = {"comm": {op: curve for op in ("all_reduce", "all_gather", "reduce_scatter")},
+              "reference_step_s": 0.025}
+    profile = profile_from(base, alone, shared, 8)
+    assert profile.kind == "gpu" and profile.hbm_gbps == 2900.0 and profile.nvlink_gbps_per_gpu == 360.0
+    assert profile.calibration["gemm_tflops_bf16"] == alone["gemm"]
+    assert profile.calibration["in_step_slowdown"] >= 1.0
+    cfg = trial(["world_size=8", "zero_stage=3", "hardware=h100-80gb", "precision=bf16"])
+    assert predict(cfg, profile).tokens_per_s > 0
