@@ -22,7 +22,8 @@ from scalestudy_analysis.base import (
     power_unit,
     trial_label,
 )
-from scalestudy_analysis.load import MEASURED, PREDICTED, completed, pair_predictions
+from scalestudy_analysis.load import (MEASURED, PREDICTED, PROFILES_ATTR, completed,
+                                      pair_predictions)
 
 
 def degree_frame(df: pd.DataFrame, world_size: int | None = None) -> tuple[int, pd.DataFrame]:
@@ -202,6 +203,13 @@ def prediction_parity(df: pd.DataFrame, metric: str = M.TOKENS_PER_S_PER_DEVICE)
     ax_p.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi),
              title=f"Predicted vs measured {metric} (dotted: +-20%)", xlabel="measured",
              ylabel="predicted")
+    # Where the predictions came from, in the figure's own title: a plot of catalogue figures
+    # against this machine's measurements must not pass for a test of the calibrated model.
+    sources = df.attrs.get(PROFILES_ATTR) or {}
+    if sources:
+        fig.suptitle("predicted with " + "; ".join(sources[h] for h in sorted(sources)),
+                     fontsize=10, color="firebrick" if any(
+                         "UNCALIBRATED" in v for v in sources.values()) else "black")
     ax_e.axhline(0, color="black", linewidth=1, gid=GID_GUIDE)
     ax_e.set(title="Prediction error per point", xlabel="world size (devices)",
              ylabel="predicted / measured - 1 (%)")

@@ -39,6 +39,8 @@ OPTIONAL_METRICS = (M.COMPUTE_TIME_S, M.BUBBLE_TIME_S, M.NODE_OVERHEAD_POWER_W_E
 class StudyNotFound(LookupError):
     """Neither a ledger nor an MLflow experiment holds trials of this study."""
 
+PROFILES_ATTR = "prediction_profiles"  # df.attrs: {hardware name: the profile its predictions came from}
+
 
 def _field_kinds() -> dict[str, type]:
     """TrialResult field -> the Python type its values take (MLflow hands every param back as str)."""
@@ -223,7 +225,7 @@ def load_study(study: str | Iterable[str], *, source: str = "auto",
                              tracking_uri=tracking_uri) for s in study]
         return tidy(pd.concat(frames, ignore_index=True))
     path = ledger_path(study, results_root)
-    if source in ("auto", "ledger") and path.exists():
+    if source in ("auto", "ledger") and Ledger(path).exists():
         return load_ledger(path)
     if source in ("auto", "mlflow"):
         try:

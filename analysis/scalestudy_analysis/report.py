@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.track.mlflow_writer import ROLE_TAG
 from scalestudy_analysis.figures import Panel, draw_all, save_pngs
 from scalestudy_analysis.html import render
@@ -123,12 +124,14 @@ def log_report(report: Report, run_id: str, tracking_uri: str) -> None:
 def report_study(study: str, out_dir: str | Path | None = None, *,
                  results_root: str | Path = "results", tracking_uri: str | None = None,
                  spec_path: str | Path | None = None, source: str = "auto",
-                 predictions: bool = True, log_to_mlflow: bool = True) -> Report:
+                 predictions: bool = True, log_to_mlflow: bool = True,
+                 profile: HardwareProfile | None = None) -> Report:
     """Load the study (ledger, else MLflow), write report.html and one PNG per figure to out_dir
     (default reports/<study>/) and log them to the study's latest parent MLflow run, if any.
 
     predictions: add the performance model's prediction of every measured configuration the
-    study has no prediction for (computed now, marked as such), so the parity figure has data.
+    study has no prediction for (computed now, marked as such), so the parity figure has data;
+    with `profile` (a `scalestudy calibrate` profile) for the trials of its hardware name.
     Raises StudyNotFound when neither store has the study. MLflow trouble never loses the report:
     it becomes a note on the returned Report.
     """
@@ -136,10 +139,10 @@ def report_study(study: str, out_dir: str | Path | None = None, *,
     uri = resolve_tracking_uri(tracking_uri or spec_uri)
     df = load_study(study, source=source, results_root=results_root, tracking_uri=uri,
                     experiment=experiment, artifacts=True)
-    from scalestudy.track.ledger import ledger_path
+    from scalestudy.track.ledger import Ledger, ledger_path
 
     ledger = ledger_path(study, results_root)
-    from_ledger = source != "mlflow" and ledger.exists()
+    from_ledger = source != "mlflow" and Ledger(ledger).exists()
     data_source = f"the ledger {ledger}" if from_ledger else f"MLflow ({uri})"
     notes: list[str] = []
     run_id = None
@@ -153,7 +156,7 @@ def report_study(study: str, out_dir: str | Path | None = None, *,
     if predictions:
         from scalestudy_analysis.predictions import with_predictions
 
-        df, note = with_predictions(df)
+        df, note = with_predictions(df, profile)
         if note:
             notes.append(note)
     out = Path(out_dir) if out_dir else Path("reports") / study

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from rich.table import Table
 
 from scalestudy import metrics as M
 from scalestudy.spec.errors import SpecError
+from scalestudy.track.storage import DEFAULT_RESULTS_ROOT, RESULTS_ROOT_ENV
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 # Wide when piped (CI logs, `| less`): trial tables have many columns.
@@ -24,6 +26,11 @@ SetOpt = Annotated[
     Optional[list[str]],
     typer.Option("--set", help="override a spec key, KEY=VALUE (VALUE is YAML); repeatable"),
 ]
+# One results root for every command that reads or writes results: a folder or a filesystem URI.
+RootOpt = Annotated[str, typer.Option(
+    "--results-root", envvar=RESULTS_ROOT_ENV,
+    help="ledger and checkpoint root: a folder, or a URI (s3://bucket/prefix, gs://..., any "
+         "pyarrow/fsspec filesystem); on a cluster, storage every node sees if trials checkpoint")]
 
 
 def _fail(err: SpecError) -> None:
@@ -97,6 +104,7 @@ def run(
     set_: SetOpt = None,
     json_: Annotated[bool, typer.Option("--json", help="print the TrialResult as JSON")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", help="show Ray's and the workers' output")] = False,
+    results_root: RootOpt = DEFAULT_RESULTS_ROOT,
 ) -> None:
     """Run exactly one trial for real (Ray Train x DeepSpeed) and print its result."""
     t0 = time.time()
@@ -113,10 +121,17 @@ def run(
     except SpecError as e:
         _fail(e)
     cfg = planned[0].config
+    from scalestudy.sweep.shared_storage import check_checkpoint_storage
+    from scalestudy.track.storage import join, ray_storage
     from scalestudy.train.launch import ensure_ray, run_trial
+    from scalestudy.train.resume import wants_checkpoints
 
     ensure_ray(verbose=verbose)
-    result = run_trial(cfg, Path("results") / cfg.study / "ray", t0=t0)
+    try:
+        check_checkpoint_storage(results_root, wants_checkpoints(cfg))
+    except SpecError as e:
+        _fail(e)
+    result = run_trial(cfg, t0=t0, **ray_storage(join(results_root, cfg.study, "ray")))
     if json_:
         sys.stdout.write(result.model_dump_json() + "\n")
     else:
@@ -134,9 +149,7 @@ def sweep(
                               help="trials at once (default: what the cluster's devices hold)")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print one TrialResult JSON per line")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", help="show Ray's and Tune's output")] = False,
-    results_root: Annotated[Path, typer.Option(
-        help="ledger root folder (on a cluster: shared storage every node and the driver see)")] = Path(
-        "results"),
+    results_root: RootOpt = DEFAULT_RESULTS_ROOT,
 ) -> None:
     """Run every trial of a study (Ray Tune x Ray Train x DeepSpeed, or the performance model)
     into the Parquet ledger and MLflow."""
@@ -148,9 +161,12 @@ def sweep(
         planned = plan(study)
     except SpecError as e:
         _fail(e)
-    outcome = run_sweep(study, planned, spec.read_text(), resume=resume,
-                        max_concurrent=max_concurrent, results_root=results_root,
-                        show_progress=not json_, verbose=verbose)
+    try:
+        outcome = run_sweep(study, planned, spec.read_text(), resume=resume,
+                            max_concurrent=max_concurrent, results_root=results_root,
+                            show_progress=not json_, verbose=verbose)
+    except SpecError as e:  # a results root the cluster's nodes cannot share, before any trial
+        _fail(e)
     if json_:
         for r in outcome.results:
             sys.stdout.write(r.model_dump_json() + "\n")
@@ -172,15 +188,17 @@ def sync_mlflow_cmd(
     study: Annotated[str, typer.Argument(help="study name (results/<study>/trials.parquet)")],
     tracking_uri: Annotated[Optional[str], typer.Option("--tracking-uri",
                             help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")] = None,
+    results_root: RootOpt = DEFAULT_RESULTS_ROOT,
 ) -> None:
     """Log ledger rows that are missing from MLflow."""
-    from scalestudy.track.ledger import ledger_path
+    from scalestudy.track.ledger import Ledger, ledger_path
     from scalestudy.track.mlflow_writer import tracking_uri as resolve_uri
     from scalestudy.track.sync import sync_mlflow
 
-    if not ledger_path(study).exists():
-        _fail(SpecError("study", study, f"no ledger at {ledger_path(study)}; run `scalestudy sweep` first"))
-    logged, error = sync_mlflow(study, resolve_uri(tracking_uri))
+    path = ledger_path(study, results_root)
+    if not Ledger(path).exists():
+        _fail(SpecError("study", study, f"no ledger at {path}; run `scalestudy sweep` first"))
+    logged, error = sync_mlflow(study, resolve_uri(tracking_uri), results_root=results_root)
     out.print(f"logged {logged} runs" + (f"; stopped: {error}" if error else ""))
     if error:
         raise typer.Exit(1)
@@ -192,13 +210,22 @@ def report(
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="default: reports/<study>/")] = None,
     tracking_uri: Annotated[Optional[str], typer.Option("--tracking-uri",
                             help="default: the spec's, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")] = None,
+    results_root: RootOpt = DEFAULT_RESULTS_ROOT,
+    profile: Annotated[Optional[Path], typer.Option(
+        "--profile", help="hardware profile YAML (from `scalestudy calibrate`) that predicts the "
+        "measured trials of its hardware name (default: the catalogue's)")] = None,
 ) -> None:
     """Figures + a self-contained HTML report of a study; prints the path of report.html."""
+    from scalestudy.spec.catalog import load_hardware_file
     from scalestudy_analysis.load import StudyNotFound
     from scalestudy_analysis.report import report_study
 
+    if profile and not profile.is_file():
+        _fail(SpecError("--profile", str(profile), "no such file; write one with `scalestudy calibrate`"))
     try:
-        rep = report_study(study, out_dir, tracking_uri=tracking_uri)
+        hw = load_hardware_file(profile) if profile else None
+        rep = report_study(study, out_dir, tracking_uri=tracking_uri, results_root=results_root,
+                           profile=hw)
     except StudyNotFound as e:
         _fail(SpecError("study", study, f"{e}; run `scalestudy sweep` on its spec first"))
     for note in rep.notes:
@@ -243,21 +270,33 @@ def calibrate(
         "calibrated-cpu-local.yaml"),
     hardware: Annotated[str, typer.Option(help="catalogue entry the profile starts from")] = "cpu-local",
     quick: Annotated[bool, typer.Option("--quick", help="fewer shapes and sizes (tests)")] = False,
+    local: Annotated[bool, typer.Option("--local", help="no Ray: this process and one process per "
+                                        "core (calibrate/local.py)")] = False,
+    precision: Annotated[Optional[list[str]], typer.Option(
+        "--precision", help="precision to benchmark, repeatable (default: what `auto` resolves to "
+        "here, the one studies run at)")] = None,
 ) -> None:
-    """Microbenchmark this Ray cluster (GEMM, memory, per-op and per-step costs, collectives) and
-    write a hardware profile that a spec's `hardware:` accepts."""
-    from scalestudy.calibrate.run import calibrate as run_calibration
+    """Microbenchmark this Ray cluster, or this machine with --local (GEMM, memory, per-op and
+    per-step costs, collectives) and write a hardware profile that a spec's `hardware:` accepts."""
     from scalestudy.spec import catalog
 
     if hardware not in catalog.hardware_names():
         _fail(SpecError("--hardware", hardware,
                         f"choose one of {', '.join(catalog.hardware_names())}"))
+    if precision and not set(precision) <= {"fp32", "bf16", "fp16"}:
+        _fail(SpecError("--precision", precision, "choose from fp32, bf16, fp16"))
+    if local:
+        from scalestudy.calibrate.local import calibrate_local as run_calibration
+    else:
+        from scalestudy.calibrate.run import calibrate as run_calibration
     from scalestudy.calibrate.gpu import NoCudaDevice
 
+    t0 = time.time()
     try:
-        profile = run_calibration(catalog.get_hardware(hardware), quick=quick)
+        profile = run_calibration(catalog.get_hardware(hardware), quick=quick, precisions=precision)
     except (NotImplementedError, NoCudaDevice) as e:
         _fail(SpecError("--hardware", hardware, str(e)))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     catalog.write_profile(profile, out_path)
     cal = profile.calibration
     rows = [{"figure": k, "value": v} for k, v in (
@@ -265,7 +304,7 @@ def calibrate(
         ("hbm_gbps", profile.hbm_gbps), ("nvlink_gbps_per_gpu", profile.nvlink_gbps_per_gpu),
         *((k, v) for k, v in cal.items() if not isinstance(v, list)))]
     out.print(_trial_table(rows, ["figure", "value"], title=f"calibrated {hardware}"))
-    out.print(f"wrote {out_path}; use it with --set hardware={out_path}")
+    out.print(f"wrote {out_path} in {time.time() - t0:.0f} s; use it with --set hardware={out_path}")
 
 
 @app.command()
@@ -274,18 +313,25 @@ def fit(
     hardware: Annotated[Optional[str], typer.Option(
         help="profile to start from: catalogue name or YAML path (default: the trials' hardware)")] = None,
     out_path: Annotated[Optional[Path], typer.Option("--out", help="fitted profile YAML")] = None,
-    results_root: Annotated[Path, typer.Option(help="ledger root folder")] = Path("results"),
+    results_root: RootOpt = DEFAULT_RESULTS_ROOT,
 ) -> None:
     """Fit the performance model's efficiency parameters to a study's measured trials."""
     from scalestudy.perfmodel.fit import FitResult
     from scalestudy.perfmodel.fit import fit as run_fit
+    from scalestudy.perfmodel.fit import held_out_predictions
     from scalestudy.perfmodel.fit_data import measured_trials
     from scalestudy.spec.catalog import write_profile
     from scalestudy.spec.trial import name_axes_of, trial_name
     from scalestudy.track.ledger import Ledger, ledger_path
+    from scalestudy.track.storage import require_local
 
     path = ledger_path(study, results_root)
+    default_dir = None
     try:
+        if out_path is None:  # the profile is a local YAML a spec's `hardware:` points at
+            default_dir = require_local(results_root, "--results-root", "fit writes the fitted "
+                                        "profile under a local results root", "pass --out PATH"
+                                        ) / study
         results = Ledger(path).results()
         if not results:
             raise SpecError("STUDY", study, f"no ledger at {path}; run `scalestudy sweep` first")
@@ -293,15 +339,21 @@ def fit(
     except SpecError as e:
         _fail(e)
     res = run_fit(cfgs, measured, hw)
+    held, split = (held_out_predictions(cfgs, measured, hw) if len(cfgs) > 1
+                   else ([math.nan] * len(cfgs), "none: one trial"))
     axes = name_axes_of(results)
     rows = [{"trial": trial_name(r, axes), "measured_tokens_per_s": m, "before": b,
-             "err_before": b / m - 1, "after": a, "err_after": a / m - 1}
-            for r, m, b, a in zip(results, measured, res.predicted_before, res.predicted_after)]
+             "err_before": b / m - 1, "fitted_in_sample": a, "err_in_sample": a / m - 1,
+             "held_out": h, "err_out_of_sample": h / m - 1}
+            for r, m, b, a, h in zip(results, measured, res.predicted_before,
+                                     res.predicted_after, held)]
     out.print(_trial_table(rows, list(rows[0]), title=f"{study}: tokens/s, measured vs model"))
-    out.print(f"MAPE before {FitResult.mape(res.predicted_before, measured):.1%}, "
-              f"after {FitResult.mape(res.predicted_after, measured):.1%}; fitted "
+    out.print(f"MAPE before fitting {FitResult.mape(res.predicted_before, measured):.1%}; "
+              f"in sample (fitted on all {len(cfgs)} trials) "
+              f"{FitResult.mape(res.predicted_after, measured):.1%}; out of sample ({split}: each "
+              f"trial predicted by a fit without it) {FitResult.mape(held, measured):.1%}; fitted "
               + ", ".join(f"{n}={getattr(res.after, n):.4g}" for n in res.names))
-    target = out_path or results_root / study / f"fitted-{hw.name}.yaml"
+    target = out_path or default_dir / f"fitted-{hw.name}.yaml"
     target.parent.mkdir(parents=True, exist_ok=True)
     write_profile(res.profile, target)
     out.print(f"wrote {target}")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from scalestudy.calibrate.reference_step import REFERENCE
+
 def _median_time(fn, warmup: int = 2, min_iters: int = 5, min_time_s: float = 0.05) -> float:
     for _ in range(warmup):
         fn()
@@ -94,7 +96,7 @@ def op_overhead_s(precision: str, tokens: int = 8) -> float:
             self.ops += not func.is_view
             return func(*args, **(kwargs or {}))
 
-    model = build_model(catalog.get_model("llama2-tiny"), seed=0).to(_dtype(precision))
+    model = build_model(catalog.get_model(REFERENCE["model"]), seed=0).to(_dtype(precision))
     ids = torch.randint(0, model.config.vocab_size, (1, tokens))
 
     def step() -> None:
@@ -129,7 +131,7 @@ def _engine_step_s(precision: str, zero_stage: int, width: int) -> tuple[float, 
     from scalestudy.spec.study import expand
 
     # The trials' own config builder, at the layout of the process group it runs in.
-    spec = validate_spec({"name": "calibrate", "model": "llama2-tiny", "hardware": "cpu-local",
+    spec = validate_spec({"name": "calibrate", "model": REFERENCE["model"], "hardware": "cpu-local",
                           "precision": precision, "micro_batch": 1, "zero_stage": zero_stage,
                           "world_size": torch.distributed.get_world_size()})
     ds = deepspeed_config(expand(spec)[0].config)

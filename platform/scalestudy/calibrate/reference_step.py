@@ -15,9 +15,12 @@ price one by one, so calibrate measures both where they happen:
     likewise, with in_step_slowdown fixed and the gradient all-reduce priced from the collectives'
     benchmarks of the same run.
 
-The reference is llama2-tiny at ZeRO stage 0, micro-batch 2 x 256 tokens. No shipped CPU study uses
-that shape (the quick start runs 4 x 128 at every stage), so checking a calibrated profile against
-a quick-start sweep tests prediction, not replay.
+The reference is llama2-calib (a catalogue model kept for calibration alone) at ZeRO stage 0,
+micro-batch 2 x 192 tokens (384 per micro-batch). No scored CPU study shares its model, sequence
+length or tokens per micro-batch (the quick start: llama2-tiny, 4 x 128; the held-out study
+experiments/cpu_heldout.yaml: gpt2-tiny, 2 x 64 and 2 x 256), and tests/unit/test_calibrate_local.py
+holds every shape calibrate runs off theirs: checking a calibrated profile against those studies
+tests prediction, not replay.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.spec.load import validate_spec
 from scalestudy.spec.study import TrialConfig, expand
 
-REFERENCE = {"model": "llama2-tiny", "micro_batch": 2, "seq_len": 256, "zero_stage": 0}
+REFERENCE = {"model": "llama2-calib", "micro_batch": 2, "seq_len": 192, "zero_stage": 0}
 WARMUP_STEPS = 3
 FACTOR_RANGE = (1.0, 8.0)  # a slowdown is at least 1; 8 only bounds the search
 

@@ -11,7 +11,7 @@ What is measured, and which performance-model figure it replaces (perfmodel/para
     batch*head tile and its bf16 backward runs 5-20x its forward), hence rows, not a curve.
   * The LM loss as HF computes it (upcast logits to fp32, cross-entropy): `cross_entropy_s_<precision>`
     rows [tokens, vocab, forward s, backward s].
-  * Per-op cost of eager PyTorch: forward + backward of llama2-tiny (HF eager, random weights) on 8
+  * Per-op cost of eager PyTorch: forward + backward of the reference model (HF eager, random weights) on 8
     tokens, where kernels do next to no work, divided by the non-view ops it dispatched (counted on the
     fly): op_overhead_s, the figure compute.py charges per counted op.
   * DeepSpeed engine costs, with the trials' own config builder on a stack of small Linear layers:
@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,26 +47,82 @@ from scalestudy.calibrate.kernels import (attention_rows, cross_entropy_rows, en
 from scalestudy.spec.catalog import HardwareProfile
 
 RESULT_FILE = "calibration.json"
-# (M tokens, K, N): llama2-tiny/small projections and MLPs at micro-batch x seq 512..2048 tokens,
-# then wider square shapes so the curve reaches the device's large-GEMM rate.
-SHAPES = [(512, 64, 64), (512, 64, 176), (512, 176, 64), (512, 64, 2048), (512, 256, 256),
-          (512, 256, 688), (2048, 256, 8192), (1024, 1024, 1024), (2048, 2048, 2048)]
-QUICK_SHAPES = [(512, 64, 64), (512, 64, 2048), (512, 256, 688), (1024, 1024, 1024)]
-# (batch, heads, seq, head_dim): llama2-tiny and llama2-small at the micro-batches and sequence
-# lengths the CPU studies use, the reference step's (2, 4, 256, 16), and one larger head.
-ATTENTION_SHAPES = [(1, 4, 128, 16), (4, 4, 128, 16), (8, 4, 128, 16), (1, 4, 512, 16),
-                    (2, 4, 256, 16), (4, 4, 256, 16), (4, 8, 128, 32), (2, 8, 512, 32),
-                    (1, 16, 1024, 64)]
-QUICK_ATTENTION_SHAPES = [(4, 4, 128, 16), (2, 4, 256, 16), (4, 8, 128, 32)]
-LOSS_SHAPES = [(512, 2048), (2048, 2048), (512, 8192), (4096, 8192)]  # (tokens, vocab)
-QUICK_LOSS_SHAPES = [(512, 2048), (512, 8192)]
+# Shapes off every scored study's (reference_step.py; tests/unit/test_calibrate_local.py checks):
+# token counts 96/384/768 (the studies run 128 and 512 per micro-batch), the reference model's
+# widths, then squares up to where the curve flattens. The studies' GEMMs span ~1 MFLOP (tp-split
+# projections) to ~0.4 GFLOP (LM head): the curve covers that and a little beyond; larger squares
+# would only cost time (an emulated-bf16 CPU runs a 2048^3 GEMM for seconds).
+# (M tokens, K, N)
+SHAPES = [(96, 64, 64), (384, 64, 64), (384, 128, 128), (384, 128, 352), (384, 352, 128),
+          (768, 128, 3072), (768, 768, 768), (1024, 1024, 1024)]
+QUICK_SHAPES = [(96, 64, 64), (384, 128, 352), (768, 128, 3072), (768, 768, 768)]
+# (batch, heads, seq, head_dim): sequence lengths 48-384 around the studies' 64-256 but none of
+# them, the reference step's (2, 8, 192, 16), head_dim 16 and 32 on either side of 24.
+ATTENTION_SHAPES = [(1, 4, 96, 16), (4, 4, 96, 16), (2, 8, 192, 16), (2, 4, 384, 16),
+                    (4, 4, 48, 32), (2, 4, 192, 32), (2, 4, 384, 32)]
+QUICK_ATTENTION_SHAPES = [(4, 4, 96, 16), (2, 8, 192, 16), (2, 4, 384, 32)]
+LOSS_SHAPES = [(384, 3072), (1536, 3072), (384, 8192), (1536, 8192)]  # (tokens, vocab)
+QUICK_LOSS_SHAPES = [(384, 3072), (1536, 8192)]
 SIZES_BYTES = [2**k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 QUICK_SIZES_BYTES = [2**12, 2**16, 2**20, 2**22]
 
 
+def benchmarks(config: dict[str, Any]) -> dict[str, Any]:
+    """Every benchmark for the process group this process is in (Ray Train's or calibrate/local.py's,
+    gloo, one core per rank): the device benchmarks (world 1) or the collectives (more ranks), then
+    the reference step on every rank at once. Rank 0 prints one line per benchmark as it ends."""
+    import torch.distributed as dist
+
+    world, quick, precisions = dist.get_world_size(), config["quick"], config["precisions"]
+    say = Progress(dist.get_rank() == 0, f"ws{world}")
+    res: dict[str, Any] = {"world_size": world}
+    dist.barrier()
+    if world == 1:
+        res["op_overhead_s"] = statistics.median(
+            say(f"op overhead {p}", lambda p=p: op_overhead_s(p)) for p in precisions)
+        res["gemm"] = {p: say(f"gemm {p} ({len(QUICK_SHAPES if quick else SHAPES)} shapes)",
+                              lambda p=p: gemm_curve(p, QUICK_SHAPES if quick else SHAPES))
+                       for p in precisions}
+        res["stream_gbps"] = say("stream bandwidth", lambda: stream_gbps(16 if quick else 64))
+        att = QUICK_ATTENTION_SHAPES if quick else ATTENTION_SHAPES
+        res["attention"] = {p: say(f"attention {p} ({len(att)} shapes)",
+                                   lambda p=p: attention_rows(p, att)) for p in precisions}
+        loss = QUICK_LOSS_SHAPES if quick else LOSS_SHAPES
+        res["cross_entropy"] = {p: say(f"cross-entropy {p} ({len(loss)} shapes)",
+                                       lambda p=p: cross_entropy_rows(p, loss)) for p in precisions}
+        res["engine"] = {p: say(f"DeepSpeed engine costs {p}",
+                                lambda p=p: engine_costs(p, res["op_overhead_s"]))
+                         for p in precisions}
+    else:
+        sizes = QUICK_SIZES_BYTES if quick else SIZES_BYTES
+        res["comm"] = say(f"collectives ({len(sizes)} sizes x 3 ops)",
+                          lambda: comm_curves(world, sizes, iters=8 if quick else 20))
+    res["reference_step_s"] = {
+        p: say(f"reference step {p} on {world} rank(s)",
+               lambda p=p: reference_step.measure_step_s(p, steps=10 if quick else 20))
+        for p in precisions}
+    return res
+
+
+class Progress:
+    """One line per benchmark on stderr, with its seconds and the run's so far (rank 0 only): a full
+    calibration takes minutes and used to print nothing until its final table."""
+
+    def __init__(self, enabled: bool, tag: str):
+        self.enabled, self.tag, self.start = enabled, tag, time.perf_counter()
+
+    def __call__(self, what: str, fn):
+        t = time.perf_counter()
+        value = fn()
+        if self.enabled:
+            now = time.perf_counter()
+            print(f"calibrate [{self.tag}] {what}: {now - t:.1f} s (total {now - self.start:.1f} s)",
+                  file=sys.stderr, flush=True)
+        return value
+
+
 def calibration_loop(config: dict[str, Any]) -> None:
-    """Ray Train worker: the device benchmarks (world 1) or the collectives (more workers), then the
-    reference step on every worker at once."""
+    """Ray Train worker: benchmarks() in the worker group Ray Train started."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import ray.train
@@ -78,24 +135,7 @@ def calibration_loop(config: dict[str, Any]) -> None:
 
     torch.set_num_threads(1)  # one core per worker, as in trials
     deepspeed.init_distributed(dist_backend="gloo")
-    world, quick = dist.get_world_size(), config["quick"]
-    shapes = QUICK_SHAPES if quick else SHAPES
-    res: dict[str, Any] = {"world_size": world}
-    dist.barrier()
-    if world == 1:
-        res["op_overhead_s"] = statistics.median(op_overhead_s(p) for p in config["precisions"])
-        res["gemm"] = {p: gemm_curve(p, shapes) for p in config["precisions"]}
-        res["stream_gbps"] = stream_gbps(16 if quick else 64)
-        res["attention"] = {p: attention_rows(p, QUICK_ATTENTION_SHAPES if quick else ATTENTION_SHAPES)
-                            for p in config["precisions"]}
-        res["cross_entropy"] = {p: cross_entropy_rows(p, QUICK_LOSS_SHAPES if quick else LOSS_SHAPES)
-                                for p in config["precisions"]}
-        res["engine"] = {p: engine_costs(p, res["op_overhead_s"]) for p in config["precisions"]}
-    else:
-        res["comm"] = comm_curves(world, QUICK_SIZES_BYTES if quick else SIZES_BYTES,
-                                  iters=8 if quick else 20)
-    res["reference_step_s"] = {p: reference_step.measure_step_s(p, steps=10 if quick else 20)
-                               for p in config["precisions"]}
+    res = benchmarks(config)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if dist.get_rank() == 0:
@@ -146,6 +186,12 @@ def build_profile(base: HardwareProfile, alone: dict, shared: dict | None,
             cal[f"busbw_gbps_{op}"] = curve
         data["nvlink_gbps_per_gpu"] = max(c[1] for c in shared["comm"]["all_reduce"])
         cal["calibration_world_size"] = float(shared["world_size"])
+    # The measured reference steps themselves: what the two factors below reproduce (the in-sample
+    # rows of tests/validation/test_measured_cpu.py).
+    for prec, step_s in alone["reference_step_s"].items():
+        cal[f"reference_step_s_{prec}_ws1"] = step_s
+    for prec, step_s in (shared["reference_step_s"] if shared else {}).items():
+        cal[f"reference_step_s_{prec}_ws{shared['world_size']}"] = step_s
     data["calibration"] = cal
     data["name"] = name or base.name
     data["description"] = (f"{base.description} (calibrated "
@@ -171,7 +217,7 @@ def calibrate(base: HardwareProfile, quick: bool = False, precisions: list[str] 
     from scalestudy.train.launch import ensure_ray
 
     ensure_ray()
-    precisions = precisions or [p.value for p in base.peak_tflops if p.value != "fp16"]
+    precisions = precisions or default_precisions(base)
     config = {"quick": quick, "precisions": precisions}
     storage = Path(tempfile.mkdtemp(prefix="scalestudy-calibrate-"))
     alone = _fit(1, config, storage)
@@ -180,3 +226,9 @@ def calibrate(base: HardwareProfile, quick: bool = False, precisions: list[str] 
     return build_profile(base, alone, shared)
 
 
+def default_precisions(base: HardwareProfile) -> list[str]:
+    """The precision the studies' `auto` resolves to on this machine: the one they will run at (a
+    study that names another precision is calibrated with `--precision`)."""
+    from scalestudy.spec.precision import resolve_precision
+
+    return [resolve_precision("auto", base).value]

@@ -31,9 +31,33 @@ def reset_peak(device: Any = None) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def reset_process_peak() -> bool:
+    """Restart the process's RSS high-water mark at its current RSS (Linux: /proc/self/clear_refs),
+    so a trial in a process that ran others (a warm worker) reports its own peak; False where the
+    kernel does not allow it, and the peak stays the process's since start."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _vm_hwm_kib() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 def peak_rss_gib() -> float:
-    """The whole process's high-water mark since start (Python, libraries and the model together),
-    which is what bounds a CPU trial."""
+    """The whole process's high-water mark (Python, libraries and the model together), which is
+    what bounds a CPU trial: since the process started, or since reset_process_peak (Linux's
+    VmHWM, which getrusage's ru_maxrss never resets)."""
+    hwm = _vm_hwm_kib()
+    if hwm is not None:
+        return hwm * 1024 / GIB
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
     return rss * scale / GIB

@@ -92,6 +92,30 @@ def fit(cfgs: list[TrialConfig], measured: list[float], hw: HardwareProfile,
     )
 
 
+LOO_MAX_TRIALS = 12  # leave-one-out up to here; K_FOLDS folds beyond (each fit costs n predictions)
+K_FOLDS = 10
+
+
+def held_out_predictions(cfgs: list[TrialConfig], measured: list[float], hw: HardwareProfile,
+                         names: tuple[str, ...] | None = None) -> tuple[list[float], str]:
+    """(tokens/s of each trial predicted by a fit that did not see it, how the trials were split):
+    leave-one-out up to LOO_MAX_TRIALS trials, else K_FOLDS folds (trial i in fold i mod K). A fit
+    scored on the trials it fitted says how well it can replay them, not how well it predicts."""
+    n = len(cfgs)
+    if n < 2:
+        raise ValueError("an out-of-sample error needs at least two trials")
+    k = n if n <= LOO_MAX_TRIALS else K_FOLDS
+    label = "leave-one-out" if k == n else f"{k}-fold"
+    out = [math.nan] * n
+    for fold in range(k):
+        train = [i for i in range(n) if i % k != fold]
+        res = fit([cfgs[i] for i in train], [measured[i] for i in train], hw, names)
+        for i in range(fold, n, k):
+            cfg = cfgs[i].model_copy(update={"hardware_profile": res.profile})
+            out[i] = tokens_per_s(cfg, res.after)
+    return out, label
+
+
 def fit_rows(cfgs: list[TrialConfig], measured: list[float], bases: list[ModelParams],
              names: tuple[str, ...], upper: dict[str, float] | None = None) -> dict[str, float]:
     """Values of `names` shared by all rows that minimise the squared log error of tokens/s per

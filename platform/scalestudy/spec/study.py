@@ -59,6 +59,16 @@ class Tracking(BaseModel):
     experiment: str | None = None  # None: the study name
 
 
+class Workers(BaseModel):
+    """How a measured sweep starts its trials' worker processes (train/warm.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    # True: consecutive trials of one worker shape (world size, resources per worker, hardware)
+    # share a warm group of worker processes and its process group; False: every trial starts its
+    # own (a cold Ray Train worker group), as before warm groups existed.
+    reuse: bool = True
+
+
 class NamedModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str
@@ -117,6 +127,8 @@ class StudySpec(BaseModel):
     trial_timeout_s: PositiveFloat = 3600.0
     fault_tolerance: FaultTolerance = FaultTolerance()
     elastic: Elastic | None = None
+    # Excluded from dumps, so from the spec hash: how trials start does not change what they measure.
+    workers: Workers = Field(default_factory=Workers, exclude=True)
 
     @field_validator(
         "seq_len", "precision", "world_size", "zero_stage", "tp", "pp", "micro_batch",

@@ -30,7 +30,7 @@ DONE_STATUSES = (Status.completed, Status.failed, Status.infeasible)
 class SweepOutcome:
     results: list[TrialResult] = field(default_factory=list)
     skipped: int = 0
-    ledger: Path | None = None
+    ledger: Path | str | None = None  # a URI string under an object-store results root
     mlflow_uri: str | None = None
     mlflow_error: str | None = None
     wall_time_s: float = 0.0
@@ -75,7 +75,7 @@ def run_sweep(
     spec_text: str,
     resume: bool = False,
     max_concurrent: int | None = None,
-    results_root: Path = Path("results"),
+    results_root: str | Path = "results",
     show_progress: bool = True,
     verbose: bool = False,
 ) -> SweepOutcome:
@@ -86,6 +86,8 @@ def run_sweep(
     done = {r["trial_id"] for r in ledger.rows() if r.get("status") in finished} if resume else set()
     todo = [p for p in planned if p.config.trial_id not in done]
     outcome = SweepOutcome(skipped=len(planned) - len(todo), ledger=ledger.path)
+    if spec.backend is Backend.measure:
+        _check_storage(todo, results_root, verbose)
 
     uri = tracking_uri(spec.tracking.mlflow_uri)
     writer = MlflowWriter(uri, spec.experiment)
@@ -114,6 +116,18 @@ def run_sweep(
     outcome.mlflow_uri, outcome.mlflow_error = uri, writer.error
     outcome.wall_time_s = time.time() - t0
     return outcome
+
+
+def _check_storage(todo: list[PlannedTrial], results_root: str | Path, verbose: bool) -> None:
+    """Before MLflow or any trial: refuse checkpointing trials a root other nodes cannot see."""
+    from scalestudy.sweep.shared_storage import check_checkpoint_storage
+    from scalestudy.train.resume import wants_checkpoints
+
+    if any(p.feasible and wants_checkpoints(p.config) for p in todo):
+        from scalestudy.train.launch import ensure_ray
+
+        ensure_ray(verbose=verbose)
+        check_checkpoint_storage(results_root, checkpointing=True)
 
 
 def _simulate(planned: list[PlannedTrial], rec: Recorder, progress: SweepProgress) -> None:

@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 RESULT_KEY = "trial_result_json"
 
 
 def trial_trainable(
-    config: dict[str, Any], *, spec, storage: str, fault: str | None, skip_ids: frozenset[str]
+    config: dict[str, Any], *, spec, storage: str, fault: str | None, skip_ids: frozenset[str],
+    pool: str | None = None,
 ) -> None:
     from ray import tune
 
     from scalestudy.metrics import Status, TrialResult
     from scalestudy.spec.study import AXES, build_trial, resolve_point
     from scalestudy.sweep.feasibility import with_memory_check
+    from scalestudy.track.storage import ray_storage
     from scalestudy.train.launch import run_trial
+    from scalestudy.train.warm import warm_run
 
     t0 = time.time()
     axes = config.get("point") or {a: config[a] for a in AXES}
@@ -36,15 +38,19 @@ def trial_trainable(
         result = TrialResult.from_config(cfg, Status.infeasible, reason=planned.reason)
     else:
         box: dict[str, TrialResult] = {}
+        warm = warm_run(pool, cfg)  # None: a cold Ray Train worker group of its own
 
         def _run() -> None:
-            box["r"] = run_trial(cfg, Path(storage), t0=t0, fault=fault)
+            box["r"] = (warm.run(t0, fault) if warm else
+                        run_trial(cfg, t0=t0, fault=fault, **ray_storage(storage)))
 
         # Daemon thread: on timeout this function returns, Tune stops the trial's actor, and the
         # Train controller and workers it owns die with it.
         worker = threading.Thread(target=_run, daemon=True, name="trial")
         worker.start()
         worker.join(cfg.trial_timeout_s)
+        if worker.is_alive() and warm:
+            warm.abandon()  # its workers belong to the sweep's pool, not to this actor
         if worker.is_alive() or "r" not in box:
             result = TrialResult.from_config(
                 cfg, Status.timeout, wall_time_s=time.time() - t0,

@@ -12,6 +12,7 @@ from scalestudy.metrics import Status, TrialResult
 from scalestudy.spec.study import AXES, PlannedTrial, SearchAlgorithm, StudySpec, build_trial, resolve_point
 from scalestudy.sweep.progress import SweepProgress
 from scalestudy.sweep.trainable import RESULT_KEY, trial_trainable
+from scalestudy.track import storage
 from scalestudy.train.result import failure_reason
 
 # The trainable only waits on its TorchTrainer; Tune needs a non-empty bundle for it, and a CPU
@@ -52,16 +53,18 @@ def _searcher(spec: StudySpec):
     return None
 
 
-def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, results_root: Path,
+def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, results_root: str | Path,
              max_concurrent, fault, verbose) -> None:
     from scalestudy.train.launch import ensure_ray
+    from scalestudy.train.warm import pool_name, warm_pool
 
     ensure_ray(verbose=verbose)
-    study_dir = (Path(results_root) / spec.name).resolve()
+    # A URI stays a URI (str); a local root becomes absolute here, where the driver's cwd is known.
+    study_dir = storage.absolute(storage.join(results_root, spec.name))
     trainable = tune.with_resources(
         tune.with_parameters(
-            trial_trainable, spec=spec, storage=str(study_dir / "train"), fault=fault,
-            skip_ids=frozenset(skip_ids),
+            trial_trainable, spec=spec, storage=str(storage.join(study_dir, "train")), fault=fault,
+            skip_ids=frozenset(skip_ids), pool=pool_name(spec.workers.reuse, recorder.sweep_id),
         ),
         TRAINABLE_RESOURCES,
     )
@@ -78,12 +81,13 @@ def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, result
         ),
         run_config=tune.RunConfig(
             name=f"tune-{recorder.sweep_id}",
-            storage_path=str(study_dir / "tune"),
+            **storage.ray_storage(storage.join(study_dir, "tune")),
             verbose=1 if verbose else 0,
             callbacks=[_RecordCallback(spec, recorder, progress)],
         ),
     )
-    tuner.fit()
+    with warm_pool(spec.workers.reuse, recorder.sweep_id):  # warm groups live as long as the sweep
+        tuner.fit()
 
 
 class _RecordCallback(Callback):

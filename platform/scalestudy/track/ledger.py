@@ -1,14 +1,14 @@
 """The Parquet ledger: one row per trial in the TrialResult schema, the study's source of truth.
 
-Written atomically (temp file + rename) after every trial and before any MLflow call, so a crash
-or an unreachable tracking server never loses a finished trial.
+Written whole after every trial and before any MLflow call, so a crash or an unreachable tracking
+server never loses a finished trial: through track/storage.py, as an atomic rename on a local disk
+and one object put on an object store (the results root may be either).
 """
 
 from __future__ import annotations
 
+import io
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -17,14 +17,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from scalestudy.metrics import CollectiveStats, TrialResult
+from scalestudy.track import storage
+from scalestudy.track.storage import Location
 
 LEDGER_FILE = "trials.parquet"
 JSON_COLUMNS = ("missing", "extra", "resizes")
 COMM_PREFIX = "comm/"
 
 
-def ledger_path(study: str, root: str | Path = "results") -> Path:
-    return Path(root) / study / LEDGER_FILE
+def ledger_path(study: str, root: str | Path = "results") -> Location:
+    """A Path under a local root, a URI string under a URI root."""
+    return storage.join(root, study, LEDGER_FILE)
 
 
 def result_to_row(result: TrialResult, **meta: Any) -> dict[str, Any]:
@@ -59,12 +62,15 @@ def row_to_result(row: dict[str, Any]) -> TrialResult:
 
 class Ledger:
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        self.path = storage.as_location(path)
+
+    def exists(self) -> bool:
+        return storage.exists(self.path)
 
     def rows(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
+        if not self.exists():
             return []
-        return pq.read_table(self.path).to_pylist()
+        return pq.read_table(io.BytesIO(storage.read_bytes(self.path))).to_pylist()
 
     def results(self) -> list[TrialResult]:
         return [row_to_result(r) for r in self.rows()]
@@ -84,13 +90,6 @@ class Ledger:
         self._write(rows)
 
     def _write(self, rows: list[dict[str, Any]]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        table = pa.Table.from_pylist(rows)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".trials-", suffix=".parquet")
-        os.close(fd)
-        try:
-            pq.write_table(table, tmp)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        buf = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(rows), buf)
+        storage.write_bytes(self.path, buf.getvalue())

@@ -12,7 +12,7 @@ from scalestudy.track.ledger import Ledger, ledger_path, row_to_result
 from scalestudy.track.mlflow_writer import MlflowWriter
 
 
-def sync_mlflow(study: str, uri: str, results_root: Path = Path("results")) -> tuple[int, str | None]:
+def sync_mlflow(study: str, uri: str, results_root: str | Path = "results") -> tuple[int, str | None]:
     """Returns (runs logged, error or None)."""
     ledger = Ledger(ledger_path(study, results_root))
     rows = ledger.rows()

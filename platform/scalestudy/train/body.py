@@ -31,9 +31,9 @@ from scalestudy.measure.profiled_window import reduce_across_ranks, run_profiled
 from scalestudy.parallel.deepspeed_config import deepspeed_config
 from scalestudy.parallel.layout import Layout
 from scalestudy.spec.trial import TrialConfig
-from scalestudy.train import resume
-from scalestudy.train.data import global_batch, stage_window
+from scalestudy.train import resume, timing
 from scalestudy.train.construct import build_trial_model
+from scalestudy.train.data import global_batch, stage_window
 from scalestudy.train.process import device_for, sync
 
 SHARD_PROBES = ("layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight")
@@ -109,11 +109,13 @@ def build(cfg: TrialConfig, device: torch.device) -> Trial:
     layout = cfg.layout.resized(dist.get_world_size())
     ds_config = deepspeed_config(cfg, layout)
     model = build_trial_model(cfg, ds_config, device)  # partitioned or on meta, never whole in fp32
+    timing.mark("model_built")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config)
     trial = Trial(cfg, layout, engine, device, dist.get_rank(), ds_config)
     if layout.tp > 1:
         _check_tp_group(trial)
+    timing.mark("engine_ready")
     return trial
 
 
@@ -181,6 +183,7 @@ def warmup_and_timed_window(trial: Trial, reporter: Reporter, meters: TrialMeter
     w = Window(state, list(state.losses), checkpoints, fault_step)
     start, warmup = state.next_step, cfg.steps.warmup
     run_steps(trial, range(start, warmup), w, reporter, timed=False)
+    timing.mark("warmed_up")
     timed = range(max(warmup, start), warmup + cfg.steps.measure)
     trial.stage(timed)
     sync(trial.device)
@@ -192,6 +195,7 @@ def warmup_and_timed_window(trial: Trial, reporter: Reporter, meters: TrialMeter
     run_steps(trial, timed, w, reporter, timed=True)
     sync(trial.device)
     meters.stop()
+    timing.mark("timed_window_done")
     trial.staged = {}
     return w
 
@@ -270,6 +274,7 @@ def summary_of(trial: Trial, w: Window, *parts: dict[str, Any]) -> dict[str, Any
         "shard_shapes": _gather_shard_shapes(trial.engine.module),
         "deepspeed_config": trial.ds_config,
         **{k: v for part in parts for k, v in part.items()},
+        "timing": timing.marks(),  # rank 0's wall-clock marks of this trial (train/timing.py)
     }
 
 
@@ -293,6 +298,7 @@ def run_body(cfg: TrialConfig, reporter: Reporter, *, fault: str | None = None,
     w = warmup_and_timed_window(trial, reporter, meters, injected)
     meter_readings = reduce_meters(trial, w, meters)
     profiled = profiled_window(trial) if instrument and cfg.steps.profile else {}
+    timing.mark("windows_done")
     summary = summary_of(trial, w, meter_readings, profiled)
     mine = summary if trial.rank == 0 else None
     reporter.report_summary(mine)

@@ -3,7 +3,6 @@ the trial body (train/body.py) through the Ray Train adapter (train/worker.py)."
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -39,27 +38,33 @@ def ensure_ray(verbose: bool = False, **init_kwargs) -> None:
 
 def run_trial(
     cfg: TrialConfig,
-    storage_path: Path,
+    storage_path: str | Path,
     t0: float | None = None,
     fault: str | None = None,
     callbacks: list | None = None,
     instrument: bool = True,
+    storage_filesystem=None,
 ) -> TrialResult:
     """Run the trial and return its TrialResult; a failing trial returns status `failed`.
 
     `fault` ("RUN_NAME@STEP" or "*@STEP", from $SCALESTUDY_INJECT_FAULT) makes rank 0 raise at that
-    step: the failure-path tests use it to fail a real trial on purpose."""
+    step: the failure-path tests use it to fail a real trial on purpose. `storage_path` and
+    `storage_filesystem` are Ray Train's (track/storage.py's ray_storage makes them from a results
+    root): a Path is made absolute, a string (a URI) goes to Ray untouched. They hold checkpoints
+    only: the summary comes back through a TrialChannel actor."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from scalestudy.train.worker import SUMMARY_FILE, train_loop_per_worker
+    from scalestudy.train.channel import open_channel, receive
+    from scalestudy.train.worker import train_loop_per_worker
 
     t0 = time.time() if t0 is None else t0
     gpu = cfg.hardware_profile.kind == "gpu"
+    channel = open_channel()
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"trial": cfg.model_dump(mode="json"), "fault": fault,
-                           "instrument": instrument},
+                           "instrument": instrument, "channel": channel},
         scaling_config=ScalingConfig(
             num_workers=((cfg.elastic.min_workers, cfg.elastic.max_workers) if cfg.elastic
                          else cfg.world_size),
@@ -71,7 +76,9 @@ def run_trial(
         torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
         run_config=RunConfig(
             name=f"{cfg.study}-{cfg.run_name}-{cfg.trial_id}-{uuid.uuid4().hex[:6]}",
-            storage_path=str(Path(storage_path).resolve()),
+            storage_path=(str(storage_path.resolve()) if isinstance(storage_path, Path)
+                          else storage_path),
+            storage_filesystem=storage_filesystem,
             failure_config=FailureConfig(max_failures=cfg.fault_tolerance.max_failures),
             # A restart needs only the latest checkpoint; a long trial would otherwise keep them all.
             checkpoint_config=CheckpointConfig(num_to_keep=2),
@@ -79,11 +86,13 @@ def run_trial(
         ),
     )
     try:
-        result = trainer.fit()
-        with result.checkpoint.as_directory() as d:
-            summary = json.loads((Path(d) / SUMMARY_FILE).read_text())
+        trainer.fit()
+        summary = receive(channel)
     except Exception as err:  # noqa: BLE001 - any trial failure is a recorded outcome
         return TrialResult.from_config(
             cfg, Status.failed, reason=failure_reason(err), wall_time_s=time.time() - t0
         )
+    if summary is None:
+        return TrialResult.from_config(cfg, Status.failed, wall_time_s=time.time() - t0,
+                                       reason="the trial ended without rank 0's summary")
     return summarize(cfg, summary, t0)

@@ -123,9 +123,12 @@ def _rendezvous_env() -> None:
 def run_local(cfg: TrialConfig, args: argparse.Namespace, t0: float) -> TrialResult | None:
     """Run the body on this rank; rank 0 gets the TrialResult (failed, with the reason, when the
     trial raised), the other ranks None."""
+    from scalestudy.train import timing
     from scalestudy.train.process import init_process_group, prepare_process
     from scalestudy.train.result import failure_reason, summarize
 
+    timing.start()
+    timing.mark("worker_entry")
     prepare_process(cfg)
     _rendezvous_env()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))

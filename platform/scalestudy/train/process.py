@@ -35,7 +35,11 @@ def init_process_group(cfg: TrialConfig, local_rank: int):
     import deepspeed
     import torch
 
+    from scalestudy.train import timing
+
+    timing.mark("imported")  # torch and DeepSpeed: seconds in a fresh process, nothing in a warm one
     deepspeed.init_distributed(dist_backend=backend_for(cfg))
+    timing.mark("process_group")
     device = device_for(cfg, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)

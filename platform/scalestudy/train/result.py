@@ -95,5 +95,8 @@ def summarize(cfg: TrialConfig, summary: dict[str, Any], t0: float) -> TrialResu
                # What the measured energy covers (GPU boards only under NVML) and what was cut out.
                "energy_scope": summary.get("energy_scope"),
                "energy_excluded_s": summary.get("energy_excluded_s"),
-               "utilization_metric": summary.get("utilization_metric")},
+               "utilization_metric": summary.get("utilization_metric"),
+               # where the trial's time went: epoch-second marks of rank 0 and the adapter
+               # (train/timing.py), from the trial's start in its adapter
+               "timing": {"trial_start": t0, **summary.get("timing", {})}},
     )

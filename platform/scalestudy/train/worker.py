@@ -1,22 +1,20 @@
 """The Ray Train adapter of the trial body: Ray Train's context -> process group -> body -> report.
 
 `train_loop_per_worker` runs in every Ray Train worker. Ray Train has started torch.distributed;
-checkpoints and the summary go back through Ray Train: a checkpoint per `ray.train.report` (Ray
-Train v2 only returns metrics that came with a checkpoint), rank 0's summary in SUMMARY_FILE.
+checkpoints go through Ray Train (a checkpoint per `ray.train.report`, persisted to the run's
+storage), rank 0's summary through the launcher's TrialChannel actor (train/channel.py), so a trial
+that does not checkpoint never needs storage that every node can see.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import ray.train
 
-SUMMARY_FILE = "summary.json"
+from scalestudy.train.channel import send
 
 
 class RayReporter:
@@ -24,8 +22,9 @@ class RayReporter:
 
     keeps_checkpoints = True
 
-    def __init__(self) -> None:
+    def __init__(self, channel) -> None:
         self.local_rank = ray.train.get_context().get_local_rank()
+        self.channel = channel
 
     def save_checkpoint(self, directory: str, step: int) -> None:
         ray.train.report({"checkpoint_step": step},
@@ -41,22 +40,20 @@ class RayReporter:
             yield d
 
     def report_summary(self, summary: dict[str, Any] | None) -> None:
-        with tempfile.TemporaryDirectory() as tmp:
-            checkpoint = None
-            if summary is not None:
-                with open(os.path.join(tmp, SUMMARY_FILE), "w") as f:
-                    json.dump(summary, f)
-                checkpoint = ray.train.Checkpoint.from_directory(tmp)
-            ray.train.report({"done": 1}, checkpoint=checkpoint)
+        if summary is not None:
+            send(self.channel, summary)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     from scalestudy.spec.trial import TrialConfig
+    from scalestudy.train import timing
     from scalestudy.train.process import init_process_group, prepare_process
 
+    timing.start()
+    timing.mark("worker_entry")
     cfg = TrialConfig.model_validate(config["trial"])
     prepare_process(cfg)
-    reporter = RayReporter()
+    reporter = RayReporter(config["channel"])
     init_process_group(cfg, reporter.local_rank)
 
     from scalestudy.train.body import run_body

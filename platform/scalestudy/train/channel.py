@@ -1,0 +1,51 @@
+"""The way back of a trial's summary: a small Ray actor the launching process creates and rank 0
+sends its summary to, so the result travels through Ray (the actor's call, the object store) and a
+trial that does not checkpoint needs no storage every node can see.
+
+Checkpoints still go through Ray Train's storage (fault tolerance must restart from them on any
+node); only the summary used to ride on a last checkpoint, which made every trial need shared
+storage. The actor lives as long as the launcher holds its handle and dies with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class TrialChannel:
+    """Holds rank 0's summary of one trial attempt; a restarted attempt's summary replaces it."""
+
+    def __init__(self) -> None:
+        self._summary: dict[str, Any] | None = None
+
+    def put(self, summary: dict[str, Any]) -> None:
+        self._summary = summary
+
+    def get(self) -> dict[str, Any] | None:
+        return self._summary
+
+
+def open_channel():
+    """A fresh channel's handle (pass it to the workers in the train loop config), on the launcher's
+    own node: a node lost mid-trial (elastic shrink) must not take the summary's way back with it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    return TrialChannel.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+
+
+def send(channel, summary: dict[str, Any]) -> None:
+    """Rank 0: wait until the summary is stored, so the trial cannot end before it arrives."""
+    ray.get(channel.put.remote(summary))
+
+
+def receive(channel) -> dict[str, Any] | None:
+    """The launcher, after the trainer returned: the summary, or None when no rank sent one."""
+    try:
+        return ray.get(channel.get.remote())
+    finally:
+        ray.kill(channel)

@@ -1,0 +1,116 @@
+"""Warm worker groups (train/warm.py): trials that share worker processes measure what cold ones do.
+
+A trial after others on the same warm group trains exactly as it does cold (losses to 1e-6 in
+fp32), its peak memory is its own, a failing trial takes its group down without touching the next
+trial, and `workers: {reuse: false}` gives every trial a cold Ray Train worker group."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import ray
+
+from scalestudy.metrics import Status
+from scalestudy.spec.load import load_spec, plan
+from scalestudy.sweep.driver import FAULT_ENV, run_sweep
+from scalestudy.track.ledger import Ledger
+from scalestudy.train.launch import run_trial
+from scalestudy.train.warm import WarmRun, warm_pool
+from tests.conftest import trial
+
+BASE = ["precision=fp32", "micro_batch=2", "steps={warmup: 1, measure: 3, profile: 0}"]
+
+
+def _warm(pool: str, overrides: list[str]):
+    cfg = trial(BASE + overrides)
+    return WarmRun(pool, cfg).run(time.time())
+
+
+def test_trial_after_others_on_a_warm_group_trains_as_cold(ray_session, ray_storage):
+    ws2 = ["world_size=2"]
+    with warm_pool(True, uuid.uuid4().hex[:8]) as pool:
+        first = _warm(pool, ws2 + ["zero_stage=3"])
+        tp2 = _warm(pool, ws2 + ["zero_stage=1", "tp=2"])
+        warm = _warm(pool, ws2 + ["zero_stage=0"])
+    cold = run_trial(trial(BASE + ws2 + ["zero_stage=0"]), ray_storage)
+    for r in (first, tp2, warm, cold):
+        assert r.status is Status.completed, r.reason
+    group = warm.extra["worker_group"]
+    assert group["trials_before"] == 2 and group["id"] == first.extra["worker_group"]["id"]
+    assert tp2.extra["worker_group"]["id"] == group["id"]
+    assert "worker_group" not in cold.extra and "imported" in cold.extra["timing"]
+    assert "imported" not in warm.extra["timing"]  # no imports, no process group of its own
+    assert len(warm.losses) == len(cold.losses) == 4
+    assert max(abs(a - b) for a, b in zip(warm.losses, cold.losses)) <= 1e-6, (warm.losses,
+                                                                             cold.losses)
+
+
+def test_small_trial_after_a_large_one_reports_its_own_peak(ray_session):
+    """The same small trial before and after a large one on one warm group: the same peak. (A cold
+    trial's process differs from a warm worker in what else it imported, so the small trial's own
+    first run on the group is the reference.)"""
+    small = ["world_size=1", "zero_stage=0", "micro_batch=1"]
+    large = ["world_size=1", "zero_stage=0", "micro_batch=64"]
+    with warm_pool(True, uuid.uuid4().hex[:8]) as pool:
+        before = _warm(pool, small)
+        big = _warm(pool, large)
+        after = _warm(pool, small)
+    assert after.extra["worker_group"]["trials_before"] == 2
+    assert after.extra["worker_group"]["id"] == before.extra["worker_group"]["id"]
+    assert big.peak_memory_gib > before.peak_memory_gib + 0.2, (big.peak_memory_gib,
+                                                               before.peak_memory_gib)
+    # its own peak: the large trial's memory went back to the OS and the counter restarted
+    assert abs(after.peak_memory_gib - before.peak_memory_gib) < 0.05 * before.peak_memory_gib, (
+        before.peak_memory_gib, big.peak_memory_gib, after.peak_memory_gib)
+
+
+def _sweep(tmp_path, monkeypatch, name: str, extra: str, fault: str | None = None):
+    spec_path = tmp_path / f"{name}.yaml"
+    spec_path.write_text(f"""
+name: {name}
+model: llama2-tiny
+hardware: cpu-local
+world_size: 1
+precision: fp32
+steps: {{warmup: 1, measure: 3, profile: 0}}
+tracking: {{mlflow_uri: "sqlite:///{tmp_path / 'mlflow.db'}"}}
+{extra}
+""")
+    if fault:
+        monkeypatch.setenv(FAULT_ENV, fault)
+    spec = load_spec(spec_path)
+    outcome = run_sweep(spec, plan(spec), spec_path.read_text(), max_concurrent=1,
+                        results_root=tmp_path / "results", show_progress=False)
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    return outcome
+
+
+def test_failing_trial_takes_its_group_down_and_the_next_starts_fresh(ray_session, tmp_path,
+                                                                      monkeypatch):
+    outcome = _sweep(tmp_path, monkeypatch, "warmfail", "micro_batch: [1, 2, 4]",
+                     fault="ws1-tp1-z0-mb2@1")
+    by_mb = {r.micro_batch: r for r in outcome.results}
+    assert by_mb[2].status is Status.failed and "injected fault" in by_mb[2].reason
+    before, after = by_mb[1], by_mb[4]
+    assert before.status is Status.completed and after.status is Status.completed
+    # the group the failed trial borrowed (the first trial's) is gone: a fresh one, first trial
+    assert after.extra["worker_group"]["trials_before"] == 0
+    assert after.extra["worker_group"]["id"] != before.extra["worker_group"]["id"]
+    rows = Ledger(outcome.ledger).rows()
+    assert sorted(r["micro_batch"] for r in rows) == [1, 2, 4] and all(r["mlflow_run_id"]
+                                                                       for r in rows)
+    for _ in range(50):  # the sweep's pool (and with it every group) is gone once it ends
+        if not [a for a in ray.util.list_named_actors() if a.startswith("scalestudy-warm-")]:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"warm pool outlived its sweep: {ray.util.list_named_actors()}")
+
+
+def test_reuse_false_starts_every_trial_cold(ray_session, tmp_path, monkeypatch):
+    outcome = _sweep(tmp_path, monkeypatch, "cold", "zero_stage: [0, 1]\nworkers: {reuse: false}")
+    assert [r.status for r in outcome.results] == [Status.completed] * 2
+    for r in outcome.results:
+        assert "worker_group" not in r.extra
+        assert {"imported", "process_group"} <= set(r.extra["timing"])  # a process of its own
