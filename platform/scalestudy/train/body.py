@@ -192,9 +192,11 @@ def warmup_and_timed_window(trial: Trial, reporter: Reporter, meters: TrialMeter
     meters.start()
     if state.first_measured_wall is None:
         state.first_measured_wall = time.time()
-    run_steps(trial, timed, w, reporter, timed=True)
-    sync(trial.device)
-    meters.stop()
+    try:
+        run_steps(trial, timed, w, reporter, timed=True)
+        sync(trial.device)
+    finally:  # a failing step (an injected fault) must not leave the samplers' threads running
+        meters.stop()
     timing.mark("timed_window_done")
     trial.staged = {}
     return w
