@@ -41,6 +41,7 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python tests/bench/overhead.py
+	$(BIN)/python tests/bench/trial_overhead.py --compare-cold
 	$(BIN)/python tests/bench/predict_speed.py
 
 # README headline figures: sweep every paper study with the performance model (simulate backend,

@@ -182,8 +182,10 @@ class TrialResult(ConfigColumns):
     time_to_first_step_s: float = NAN
     restarts: int = 0
     time_lost_s: float = NAN  # measured trials only (0 when nothing was lost)
-    # Each world-size change of an elastic trial: {"from": n, "to": m, "at_step": s}.
-    resizes: list[dict[str, int]] = Field(default_factory=list)
+    # Every segment of an elastic trial that was resized (train/segments.py), in order: world_size,
+    # grad_accum, start_step, warmup_steps, steps (timed), step_time_median_s, tokens_per_s; empty
+    # when the trial ran at one size. Throughput columns are the final segment's.
+    resizes: list[dict[str, Any]] = Field(default_factory=list)
     step_times_s: list[float] = Field(default_factory=list)
     losses: list[float] = Field(default_factory=list)
     missing: dict[str, str] = Field(default_factory=dict)  # metric -> why it is NaN

@@ -156,7 +156,8 @@ tracking: {{mlflow_uri: "sqlite:///{db}"}}
     (row,) = Ledger(results / "elastic" / "trials.parquet").rows()
     assert row["status"] == "completed", row["reason"]
     resizes = json.loads(row["resizes"])
-    assert nodes == 2 and [(r["from"], r["to"]) for r in resizes] == [(1, 2)], (nodes, resizes)
-    assert len(row["step_times_s"]) == 1500
+    assert nodes == 2 and [r["world_size"] for r in resizes] == [1, 2], (nodes, resizes)
+    assert len(row["step_times_s"]) == 1500 and sum(r["steps"] for r in resizes) == 1500
+    assert row["tokens_per_s"] == resizes[-1]["tokens_per_s"]  # the final segment's, not a blend
     assert json.loads(row["extra"])["final_grad_accum"] == 1
     print(f"\nelastic trial grew {resizes}, time lost {row['time_lost_s']:.1f} s")

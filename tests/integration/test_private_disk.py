@@ -2,12 +2,14 @@
 worker node started in its own mount namespace with a tmpfs over the results root, so the worker
 node cannot see the head's results folder (what a cloud node without a shared mount is).
 
-A study that does not checkpoint completes there (the summary returns through Ray, not storage);
-the same study with fault tolerance is refused before any trial with the one-line fix.
+A study that does not checkpoint completes there, swept or run from the head (the summary returns
+through Ray, not storage); the same study with fault tolerance is refused before any trial with the
+one-line fix.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -100,6 +102,24 @@ def test_private_disk_sweep_completes_without_shared_storage(private_disk_cluste
               if r.data.tags.get("scalestudy.role") == "trial"]
     assert sorted(r.data.tags["trial_id"] for r in trials) == sorted(r["trial_id"] for r in rows)
     print(f"\nprivate-disk sweep, 2 trials on the worker node: {time.time() - t0:.1f} s")
+
+
+def test_private_disk_run_launched_on_the_head_completes(private_disk_cluster):
+    """`scalestudy run` launches its trial from the head (the driver's node), so Ray Train's
+    controller is there while the worker runs on the worker node: the case where a summary sent
+    through storage failed ("Check that all nodes in the cluster have read/write access")."""
+    head, root, tmp = private_disk_cluster
+    spec = tmp / "privrun.yaml"
+    spec.write_text(STUDY.format(name="privrun", db=tmp / "mlflow.db"))
+    t0 = time.time()
+    out = subprocess.run(
+        [str(BIN / "scalestudy"), "run", str(spec), "--set", "zero_stage=0", "--json",
+         "--results-root", str(root)],
+        cwd=REPO, env=head.env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["status"] == "completed" and result["tokens_per_s"] > 0
+    print(f"\nprivate-disk run from the head: {time.time() - t0:.1f} s")
 
 
 def test_private_disk_fault_tolerance_refused_up_front(private_disk_cluster):

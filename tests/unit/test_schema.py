@@ -43,8 +43,10 @@ def test_result_config_columns_are_trial_configs():
 
 
 def test_a_field_added_to_trial_config_becomes_a_column():
+    # placement_timeout_s: how long a trial may wait for nodes, not what it measures (no column)
     extra = TrialConfig.model_fields.keys() - {"model_dims", "hardware_profile", "steps",
-                                               "fault_tolerance", "elastic", "name_axes"}
+                                               "fault_tolerance", "elastic", "name_axes",
+                                               "placement_timeout_s"}
     assert extra == set(config_columns()) - {"trial_id", "steps_warmup", "steps_measure",
                                              "steps_profile"}
 

@@ -1,49 +1,120 @@
-"""The performance model against this machine: calibrate `cpu-local`, sweep the quick-start study for
-real (the session's quickstart fixture), predict the same trials with the calibrated profile, compare
-tokens/s. Prints a per-trial error table and fails past a MAPE of 25% (target 15%).
+"""The performance model against this machine, on shapes calibration never ran (issue 15).
 
-Calibrate times real training steps of one reference shape (calibrate/reference_step.py: micro-batch
-2 x 256 tokens, ZeRO stage 0, on one worker and on two); the quick start runs 4 x 128 at stages 0-3,
-so no row here is a configuration calibrate measured: each one is a prediction.
+Calibrate `cpu-local` (quick, --local: no Ray) in fp32 and bf16, sweep the held-out study
+experiments/cpu_heldout.yaml for real in both precisions (gpt2-tiny, sequence lengths 64 and 256,
+gradient accumulation 2, tp 2, world 1 and 2), predict the same trials with the calibrated profile
+and compare tokens/s. Two tables, kept apart:
+  * in sample: the reference steps calibrate solved its two step factors from (llama2-calib,
+    2 x 192 tokens, world 1 and 2): what calibrate can replay, near 0 by construction;
+  * out of sample: every held-out trial, which shares no model, sequence length or tokens per
+    micro-batch with anything calibrate ran (tests/unit/test_calibrate_local.py). Bound: MAPE 25%
+    per precision (target 15%).
+A trial whose steps varied a lot (p90 step over STEADY_P90 x the median: other processes took the
+cores mid-window) is shown but not scored; with fewer than MIN_TRIALS steady trials in a precision
+the test skips and says so. On a CPU without native bf16 (or with ONEDNN_MAX_CPU_ISA=AVX2
+SCALESTUDY_CPU_NATIVE_BF16=0) bf16 is emulated and the same bound holds.
 """
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import pytest
 
+from scalestudy.calibrate.reference_step import reference_config
 from scalestudy.perfmodel.predict import predict
 from scalestudy.spec import catalog
 from scalestudy.spec.load import load_spec, plan
+from scalestudy.spec.precision import cpu_has_native_bf16
 from scalestudy.spec.trial import trial_name
-from tests.conftest import QUICKSTART
 
+HELDOUT = Path(__file__).resolve().parents[2] / "experiments" / "cpu_heldout.yaml"
+PRECISIONS = ["fp32", "bf16"]
 MAPE_BOUND = 0.25
+STEADY_P90 = 1.3
+MIN_TRIALS = 3
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def calibrated_cpu(ray_session):
-    from scalestudy.calibrate.run import calibrate
+def calibrated():
+    """Before any Ray process starts: the quick calibration as `make demo` runs it."""
+    from scalestudy.calibrate.local import calibrate_local
 
-    # The precision the quick start's `auto` resolves to on this machine (bf16 with native bf16
-    # matmul, else fp32): the one its trials run at.
-    precision = plan(load_spec(QUICKSTART))[0].config.precision.value
-    return calibrate(catalog.get_hardware("cpu-local"), quick=True, precisions=[precision])
+    t0 = time.perf_counter()
+    profile = calibrate_local(catalog.get_hardware("cpu-local"), quick=True, precisions=PRECISIONS)
+    print(f"\nquick calibrate --local ({', '.join(PRECISIONS)}): {time.perf_counter() - t0:.0f} s; "
+          f"native bf16: {cpu_has_native_bf16()}; in_step_slowdown "
+          f"{profile.calibration['in_step_slowdown']:.3f}, shared_node_slowdown "
+          f"{profile.calibration.get('shared_node_slowdown', 1.0):.3f}")
+    return profile
 
 
-def test_calibrated_cpu_prediction_mape(quickstart_results, calibrated_cpu):
-    configs = {p.config.trial_id: p.config for p in plan(load_spec(QUICKSTART))}
+@pytest.fixture(scope="module")
+def heldout(calibrated, ray_session, tmp_path_factory):
+    """(config, result) of every held-out trial with gradient accumulation 2, both precisions."""
+    from scalestudy.sweep.driver import run_sweep
+
+    root = tmp_path_factory.mktemp("heldout")
+    spec = load_spec(HELDOUT, [f"tracking.mlflow_uri=sqlite:///{root / 'mlflow.db'}",
+                               f"precision=[{', '.join(PRECISIONS)}]"])
+    planned = [p for p in plan(spec) if p.feasible and p.config.grad_accum == 2]
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    outcome = run_sweep(spec, planned, HELDOUT.read_text(), max_concurrent=1,
+                        results_root=root / "results", show_progress=False)
+    print(f"held-out sweep: {len(planned)} trials in {time.perf_counter() - t0:.0f} s "
+          f"(load average {load:.1f} before, {os.getloadavg()[0]:.1f} after)")
+    configs = {p.config.trial_id: p.config for p in planned}
+    return [(configs[r.trial_id], r) for r in outcome.results]
+
+
+def test_in_sample_reference_steps(calibrated):
+    """The shapes calibrate solved from, printed apart (a clamped factor shows here as an error)."""
+    print(f"\nIN SAMPLE (reference steps calibrate solved its factors from)\n"
+          f"{'reference':28s} {'measured s':>11s} {'predicted':>10s} {'error':>7s}")
+    world = int(calibrated.calibration.get("calibration_world_size", 1))
+    rows = 0
+    for prec in PRECISIONS:
+        for ws in sorted({1, world}):
+            measured = calibrated.calibration.get(f"reference_step_s_{prec}_ws{ws}")
+            if measured is None:
+                continue
+            cfg = reference_config(prec, ws).model_copy(
+                update={"hardware_profile": calibrated, "hardware": calibrated.name})
+            pred = predict(cfg, hardware=calibrated).step_time_s
+            print(f"{trial_name(cfg):28s} {measured:11.4f} {pred:10.4f} {pred / measured - 1:+7.1%}")
+            rows += 1
+    assert rows >= len(PRECISIONS)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_out_of_sample_heldout_mape(calibrated, heldout, precision):
+    print(f"\nOUT OF SAMPLE ({precision}, {'native' if cpu_has_native_bf16() else 'emulated'} bf16 "
+          f"CPU)\n{'trial':34s} {'measured tok/s':>15s} {'predicted':>10s} {'error':>7s} "
+          f"{'p90/median':>10s}")
     errors = []
-    print(f"\n{'trial':24s} {'measured tok/s':>15s} {'predicted':>10s} {'error':>7s}")
-    for r in quickstart_results:
-        if r.status.value != "completed":
+    for cfg, r in heldout:
+        if cfg.precision.value != precision:
             continue
-        pred = predict(configs[r.trial_id], hardware=calibrated_cpu)
+        if r.status.value != "completed":
+            print(f"{trial_name(r):34s} {r.status.value}: {r.reason}")
+            continue
+        pred = predict(cfg, hardware=calibrated)
         err = pred.tokens_per_s / r.tokens_per_s - 1
-        errors.append(abs(err))
-        print(f"{trial_name(r):24s} {r.tokens_per_s:15.0f} {pred.tokens_per_s:10.0f} {err:+7.1%}")
-    assert errors, "no completed quick-start trial to compare with"
+        jitter = r.step_time_p90_s / r.step_time_s
+        steady = jitter <= STEADY_P90
+        if steady:
+            errors.append(abs(err))
+        print(f"{trial_name(r, ('seq_len',)):34s} {r.tokens_per_s:15.0f} {pred.tokens_per_s:10.0f} "
+              f"{err:+7.1%} {jitter:10.2f}{'' if steady else '  (disturbed: not scored)'}")
+    if len(errors) < MIN_TRIALS:
+        pytest.skip(f"{precision}: only {len(errors)} steady trials (need {MIN_TRIALS}): the "
+                    "machine was too busy to score the model")
     mape = sum(errors) / len(errors)
-    print(f"MAPE {mape:.1%} over {len(errors)} trials (bound {MAPE_BOUND:.0%}, target 15%)")
+    print(f"{precision} MAPE {mape:.1%} over {len(errors)} trials (bound {MAPE_BOUND:.0%}, "
+          "target 15%)")
     assert mape <= MAPE_BOUND

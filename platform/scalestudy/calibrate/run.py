@@ -26,7 +26,10 @@ What is measured, and which performance-model figure it replaces (perfmodel/para
     in_step_slowdown and shared_node_slowdown, the factors at which the model built from everything
     above reproduces those steps (calibrate/reference_step.py says why the parts do not add up).
   * Power: only where a meter exists (NVML); none on this machine, so the catalogue figures stay.
-Runs in about a minute on 2 CPU cores (`quick` in well under that, for tests).
+Without Ray: calibrate/local.py runs the same benchmarks() in plain processes (`scalestudy calibrate
+--local`). Only the precisions asked for are benchmarked (default: the one `auto` resolves to here):
+an emulated-bf16 CPU runs bf16 GEMMs tens of times slower than fp32, and a calibration of every
+precision there took 10 minutes. One progress line per benchmark goes to stderr.
 """
 
 from __future__ import annotations

@@ -128,6 +128,31 @@ class Layout:
     def node_of(self, rank: int) -> int:
         return rank // self.devices_per_node
 
+    @property
+    def fits_one_node(self) -> bool:
+        return self.world_size <= self.devices_per_node
+
+    def check_placement(self, hardware: str = "the hardware", whole_nodes: bool = True) -> None:
+        """What a measured trial needs of its nodes: a trial larger than one node takes whole
+        nodes (a partly used node would share its links with another trial and put ranks where
+        the layout does not expect them), and a TP group, whose collectives run every layer,
+        stays inside one node."""
+        per_node = self.devices_per_node
+        if self.tp > per_node:
+            raise InfeasibleTrial(
+                f"tp {self.tp} exceeds the {per_node} devices per node of {hardware}: "
+                "a TP group would cross nodes")
+        if whole_nodes and not self.fits_one_node and self.world_size % per_node:
+            raise InfeasibleTrial(
+                f"world_size {self.world_size} spans nodes but is not a multiple of the "
+                f"{per_node} devices per node of {hardware}: a trial larger than one node "
+                "takes whole nodes")
+
+    def tp_groups_off_node(self, node_of_rank: list[str]) -> list[list[int]]:
+        """The TP groups whose ranks sit on more than one node, given each rank's node (as the
+        workers report it at the start of a trial)."""
+        return [g for g in self.tp_groups() if len({node_of_rank[r] for r in g}) > 1]
+
     # --- the process grid ---------------------------------------------------------------------
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(dp_rank, pp_rank, tp_rank) of a global rank."""

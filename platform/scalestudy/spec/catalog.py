@@ -102,6 +102,14 @@ class HardwareProfile(BaseModel):
     tdp_w: PositiveFloat
     idle_w: float = Field(ge=0)
     node_overhead_w: float = Field(ge=0)
+    # Where a measured trial runs (train/placement.py), not what it measures, so not hashed into
+    # trial ids: Ray's accelerator type of the device (ray.util.accelerators, as Ray detects it on a
+    # node: "A100", "H100"), the CPUs each worker reserves beside its device (a DGX node's cores
+    # shared by its GPUs; a cpu profile's device is itself a core) and the Ray resource one device
+    # is (None: "GPU" on gpu profiles, "CPU" on cpu ones; a custom name on fake test clusters).
+    accelerator_type: str | None = None
+    cpus_per_device: PositiveFloat = 1.0
+    device_resource: str | None = None
     # Filled by `scalestudy calibrate`/`fit`; the performance model reads them when present.
     calibration: dict[str, float | list[list[float]]] = Field(default_factory=dict)
 

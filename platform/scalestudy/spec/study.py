@@ -124,7 +124,10 @@ class StudySpec(BaseModel):
     tracking: Tracking = Tracking()
     seed: int = 0
     learning_rate: PositiveFloat = 1e-3
-    trial_timeout_s: PositiveFloat = 3600.0
+    trial_timeout_s: PositiveFloat = 3600.0  # counted from the start of a trial's worker group
+    # The wait for a trial's nodes (an autoscaler's take minutes); past it the trial is recorded as
+    # a timeout with a placement reason.
+    placement_timeout_s: PositiveFloat = 1800.0
     fault_tolerance: FaultTolerance = FaultTolerance()
     elastic: Elastic | None = None
     # Excluded from dumps, so from the spec hash: how trials start does not change what they measure.
@@ -247,6 +250,10 @@ def check_trial(spec: StudySpec, cfg: TrialConfig) -> None:
         raise InfeasibleTrial("fp16 training needs a GPU; use bf16 or fp32 on CPU")
     if spec.backend is Backend.measure and cfg.pp > 1:
         raise InfeasibleTrial("pp > 1 is not supported by the measure backend (use simulate)")
+    if spec.backend is Backend.measure:
+        # An elastic trial runs at whatever size the cluster holds: the check at its start
+        # (train/placement.py) keeps its TP groups on one node.
+        cfg.layout.check_placement(hw.name, whole_nodes=spec.elastic is None)
     if spec.elastic is not None:
         check_elastic(spec.elastic, cfg.layout)
 
@@ -291,6 +298,7 @@ def _trial_config(spec: StudySpec, point: dict[str, Any], layout: Layout) -> Tri
         seed=spec.seed,
         learning_rate=spec.learning_rate,
         trial_timeout_s=spec.trial_timeout_s,
+        placement_timeout_s=spec.placement_timeout_s,
         fault_tolerance=spec.fault_tolerance,
         elastic=spec.elastic,
         model_dims=model.dims,

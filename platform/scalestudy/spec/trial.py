@@ -77,11 +77,14 @@ TRIAL_KEY: tuple[str, ...] = AXES
 # TrialConfig fields that are not flat config columns: nested objects (their scalars are flattened
 # into steps_* or come back from the catalogues by name) and how the trial is named in its study.
 _NOT_COLUMNS = frozenset({"model_dims", "hardware_profile", "steps", "fault_tolerance", "elastic",
-                          "name_axes"})
+                          "name_axes", "placement_timeout_s"})
 # Fields that do not change what a trial measures, so not its identity: the study it belongs to,
 # how it survives faults, the precision as written in the spec (the resolved one is hashed) and
 # the axes its name shows.
-_NOT_HASHED = frozenset({"study", "fault_tolerance", "precision_requested", "name_axes"})
+_NOT_HASHED = frozenset({"study", "fault_tolerance", "precision_requested", "name_axes",
+                         "placement_timeout_s"})
+# Profile fields that say where a trial runs, not what it measures (see HardwareProfile).
+_PLACEMENT_FIELDS = ("accelerator_type", "cpus_per_device", "device_resource")
 
 
 class TrialConfig(BaseModel):
@@ -110,7 +113,10 @@ class TrialConfig(BaseModel):
     steps: Steps
     seed: int
     learning_rate: float
-    trial_timeout_s: float
+    trial_timeout_s: float  # from the start of the trial's worker group (train/deadline.py)
+    # How long the trial may wait for its nodes before it starts; how long it waits is not what it
+    # measures, so neither a column nor part of its id.
+    placement_timeout_s: float = 1800.0
     fault_tolerance: FaultTolerance = FaultTolerance()
     elastic: Elastic | None = None
     model_dims: ModelDims
@@ -136,6 +142,8 @@ class TrialConfig(BaseModel):
         payload = self.model_dump(mode="json", exclude=set(_NOT_HASHED))
         if self.elastic is None:  # elastic bounds change the trial; their absence keeps old ids
             payload.pop("elastic")
+        for field in _PLACEMENT_FIELDS:
+            payload["hardware_profile"].pop(field, None)
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha1(blob).hexdigest()[:12]
 

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 RESULT_KEY = "trial_result_json"
+BACKSTOP_S = 120.0  # beyond both limits: time for run_trial to abort the trial and return
 
 
 def trial_trainable(
@@ -48,13 +49,20 @@ def trial_trainable(
         # Train controller and workers it owns die with it.
         worker = threading.Thread(target=_run, daemon=True, name="trial")
         worker.start()
-        worker.join(cfg.trial_timeout_s)
+        # A cold trial's run_trial enforces both limits itself (train/deadline.py: the wait for
+        # nodes, then the run from the worker group's start), so its join is only a backstop; a
+        # warm group's trial is bounded here by trial_timeout_s alone.
+        limit_s = (cfg.trial_timeout_s if warm else
+                   cfg.placement_timeout_s + cfg.trial_timeout_s + BACKSTOP_S)
+        worker.join(limit_s)
         if worker.is_alive() and warm:
             warm.abandon()  # its workers belong to the sweep's pool, not to this actor
         if worker.is_alive() or "r" not in box:
             result = TrialResult.from_config(
                 cfg, Status.timeout, wall_time_s=time.time() - t0,
-                reason=f"exceeded trial_timeout_s={cfg.trial_timeout_s:g}"
+                reason=(f"exceeded trial_timeout_s={cfg.trial_timeout_s:g}" if warm else
+                        "exceeded placement_timeout_s + trial_timeout_s "
+                        f"({cfg.placement_timeout_s:g} + {cfg.trial_timeout_s:g} s)")
                 if worker.is_alive() else "trial thread ended without a result",
             )
         else:

@@ -2,8 +2,8 @@
 
     summary = run_body(cfg, reporter)      # on each rank; rank 0 gets the summary, others None
 
-build (model, DeepSpeed engine, this attempt's layout) -> warm-up steps -> timed window -> profiled
-window -> one reduction across ranks -> rank 0's summary, handed to the reporter. The adapters start
+build (model, DeepSpeed engine, this attempt's layout) -> warm-up steps -> timed window (after an elastic resize: the new size's warm-up, then
+the rest of the window; train/segments.py) -> profiled window -> one reduction across ranks -> rank 0's summary, handed to the reporter. The adapters start
 the processes and the process group and say where checkpoints and the summary go: Ray Train
 (train/worker.py) or torchrun (train/local.py); both use train/process.py to set a rank up.
 
@@ -31,7 +31,7 @@ from scalestudy.measure.profiled_window import reduce_across_ranks, run_profiled
 from scalestudy.parallel.deepspeed_config import deepspeed_config
 from scalestudy.parallel.layout import Layout
 from scalestudy.spec.trial import TrialConfig
-from scalestudy.train import resume, timing
+from scalestudy.train import resume, segments, timing
 from scalestudy.train.construct import build_trial_model
 from scalestudy.train.data import global_batch, stage_window
 from scalestudy.train.process import device_for, sync
@@ -152,7 +152,7 @@ class Window:
 def run_steps(trial: Trial, steps: range, w: Window, reporter: Reporter, timed: bool) -> None:
     """Steps of one window; after a step, the checkpoint that is due before the next one."""
     cfg = trial.cfg
-    n_steps = cfg.steps.warmup + cfg.steps.measure
+    n_steps = w.state.end_step
     every = cfg.fault_tolerance.checkpoint_every
     for step in steps:
         if step == w.fault_step and w.state.restarts == 0:
@@ -180,11 +180,12 @@ def warmup_and_timed_window(trial: Trial, reporter: Reporter, meters: TrialMeter
     world = trial.layout.world_size
     state = (resume.restore(trial.engine, world, reporter) if checkpoints
              else resume.LoopState(world_size=world))
+    segments.begin(state, world, trial.layout.grad_accum, cfg.steps.warmup, cfg.steps.measure)
     w = Window(state, list(state.losses), checkpoints, fault_step)
-    start, warmup = state.next_step, cfg.steps.warmup
-    run_steps(trial, range(start, warmup), w, reporter, timed=False)
+    start, timed_from = state.next_step, state.timed_from
+    run_steps(trial, range(start, timed_from), w, reporter, timed=False)
     timing.mark("warmed_up")
-    timed = range(max(warmup, start), warmup + cfg.steps.measure)
+    timed = range(max(timed_from, start), state.end_step)
     trial.stage(timed)
     sync(trial.device)
     reset_peak(trial.device)
@@ -264,14 +265,18 @@ def _gather_shard_shapes(module) -> list[dict[str, list[int]]]:
 def summary_of(trial: Trial, w: Window, *parts: dict[str, Any]) -> dict[str, Any]:
     """The trial's summary: what train/result.py turns into a TrialResult."""
     lay, state = trial.layout, w.state
+    steps = reduce_steps(trial, w)
+    # Every segment once the trial was resized (segments.py); none for a trial that never was.
+    resizes = (segments.summaries(state.segments, steps["step_times_s"], trial.cfg.tokens_per_step)
+               if len(state.segments) > 1 else [])
     return {
-        **reduce_steps(trial, w),
+        **steps,
         "first_measured_step_wall": state.first_measured_wall,
         "world_size": lay.world_size,
         "dp": lay.dp,
         "grad_accum": lay.grad_accum,
         "restarts": state.restarts,
-        "resizes": state.resizes,
+        "resizes": resizes,
         "time_lost_s": state.time_lost_s,
         "shard_shapes": _gather_shard_shapes(trial.engine.module),
         "deepspeed_config": trial.ds_config,
@@ -301,7 +306,8 @@ def run_body(cfg: TrialConfig, reporter: Reporter, *, fault: str | None = None,
     meter_readings = reduce_meters(trial, w, meters)
     profiled = profiled_window(trial) if instrument and cfg.steps.profile else {}
     timing.mark("windows_done")
-    summary = summary_of(trial, w, meter_readings, profiled)
+    # An adapter may add what only it knows (the Ray adapter: each rank's node).
+    summary = summary_of(trial, w, meter_readings, profiled, getattr(reporter, "summary_extra", {}))
     mine = summary if trial.rank == 0 else None
     reporter.report_summary(mine)
     return mine

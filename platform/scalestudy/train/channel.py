@@ -16,10 +16,23 @@ import ray
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class TrialChannel:
-    """Holds rank 0's summary of one trial attempt; a restarted attempt's summary replaces it."""
+    """Holds rank 0's summary of one trial attempt (a restarted attempt's summary replaces it) and
+    the start of the trial's worker group."""
 
     def __init__(self) -> None:
         self._summary: dict[str, Any] | None = None
+        # The trial's start, as its Train controller reports it (train/deadline.py).
+        self._controller: list | None = None
+        self._worker_group_starts = 0
+
+    def set_controller(self, handle: list) -> None:
+        self._controller = handle  # in a list: a bare handle argument would be resolved
+
+    def mark_started(self) -> None:
+        self._worker_group_starts += 1
+
+    def start_state(self) -> tuple[int, list | None]:
+        return self._worker_group_starts, self._controller
 
     def put(self, summary: dict[str, Any]) -> None:
         self._summary = summary

@@ -11,11 +11,14 @@ from pathlib import Path
 
 from scalestudy.metrics import Status, TrialResult
 from scalestudy.spec.trial import TrialConfig
+from scalestudy.train.placement import (HEALTH_CHECK_ENV, LOCAL_HEALTH_CHECK_S,
+                                        health_check_interval_s, placement_for)
 from scalestudy.train.result import failure_reason, summarize
 
 # Ray Train v2's controller polls workers every 2 s by default, which adds ~2 s to each report and
-# to the end of every trial; 0.2 s costs nothing measurable on a trial and saves most of that.
-RAY_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+# to the end of every trial; 0.2 s costs nothing measurable on a local trial and saves most of that.
+# The job-wide default; run_trial sets each trial's own (train/placement.py) before it starts.
+RAY_ENV = {HEALTH_CHECK_ENV: str(LOCAL_HEALTH_CHECK_S)}
 
 
 def ensure_ray(verbose: bool = False, **init_kwargs) -> None:
@@ -51,28 +54,26 @@ def run_trial(
     step: the failure-path tests use it to fail a real trial on purpose. `storage_path` and
     `storage_filesystem` are Ray Train's (track/storage.py's ray_storage makes them from a results
     root): a Path is made absolute, a string (a URI) goes to Ray untouched. They hold checkpoints
-    only: the summary comes back through a TrialChannel actor."""
+    only: the summary comes back through a TrialChannel actor, which also tells this process when
+    the worker group started (train/deadline.py: placement_timeout_s, then trial_timeout_s)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from scalestudy.train.channel import open_channel, receive
+    from scalestudy.train.deadline import StartCallback, TrialTimeout, fit_within_limits
     from scalestudy.train.worker import train_loop_per_worker
 
     t0 = time.time() if t0 is None else t0
     gpu = cfg.hardware_profile.kind == "gpu"
+    placement = placement_for(cfg)
+    # Read by the controller this trial starts (Ray Train propagates it from this process).
+    os.environ[HEALTH_CHECK_ENV] = f"{health_check_interval_s(cfg):g}"
     channel = open_channel()
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"trial": cfg.model_dump(mode="json"), "fault": fault,
                            "instrument": instrument, "channel": channel},
-        scaling_config=ScalingConfig(
-            num_workers=((cfg.elastic.min_workers, cfg.elastic.max_workers) if cfg.elastic
-                         else cfg.world_size),
-            use_gpu=gpu,
-            resources_per_worker={"GPU": 1, "CPU": 8} if gpu else {"CPU": 1},
-            **({"elastic_resize_monitor_interval_s": cfg.elastic.resize_check_s}
-               if cfg.elastic else {}),
-        ),
+        scaling_config=ScalingConfig(**placement.scaling_kwargs()),
         torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
         run_config=RunConfig(
             name=f"{cfg.study}-{cfg.run_name}-{cfg.trial_id}-{uuid.uuid4().hex[:6]}",
@@ -82,12 +83,15 @@ def run_trial(
             failure_config=FailureConfig(max_failures=cfg.fault_tolerance.max_failures),
             # A restart needs only the latest checkpoint; a long trial would otherwise keep them all.
             checkpoint_config=CheckpointConfig(num_to_keep=2),
-            callbacks=callbacks or [],
+            callbacks=[*(callbacks or []), StartCallback(channel)],
         ),
     )
     try:
-        trainer.fit()
+        fit_within_limits(trainer, cfg, channel, t0, placement.describe())
         summary = receive(channel)
+    except TrialTimeout as err:
+        return TrialResult.from_config(cfg, Status.timeout, reason=str(err),
+                                       wall_time_s=time.time() - t0)
     except Exception as err:  # noqa: BLE001 - any trial failure is a recorded outcome
         return TrialResult.from_config(
             cfg, Status.failed, reason=failure_reason(err), wall_time_s=time.time() - t0

@@ -11,6 +11,7 @@ from scalestudy.measure.energy import EnergyReading, energy_metrics
 from scalestudy.measure.throughput import throughput_metrics
 from scalestudy.metrics import CollectiveStats, Status, TrialResult
 from scalestudy.spec.trial import TrialConfig
+from scalestudy.train.segments import final_step_times
 
 NO_PROFILED_WINDOW = "no profiled window (steps.profile = 0 or instrumentation off)"
 
@@ -68,7 +69,9 @@ def _comm_fields(summary: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str
 
 def summarize(cfg: TrialConfig, summary: dict[str, Any], t0: float) -> TrialResult:
     step_times, losses = summary["step_times_s"], summary["losses"]
-    fields = throughput_metrics(ran_config(cfg, summary), step_times)
+    # Throughput of the final segment only: an elastic trial's earlier sizes are other trials.
+    fields = throughput_metrics(ran_config(cfg, summary),
+                                final_step_times(step_times, summary.get("resizes")))
     energy, missing = _energy_fields(cfg, summary, len(step_times))
     comm, comm_missing = _comm_fields(summary)
     missing.update(comm_missing)
@@ -96,6 +99,7 @@ def summarize(cfg: TrialConfig, summary: dict[str, Any], t0: float) -> TrialResu
                "energy_scope": summary.get("energy_scope"),
                "energy_excluded_s": summary.get("energy_excluded_s"),
                "utilization_metric": summary.get("utilization_metric"),
+               "worker_node_ids": summary.get("worker_node_ids"),
                # where the trial's time went: epoch-second marks of rank 0 and the adapter
                # (train/timing.py), from the trial's start in its adapter
                "timing": {"trial_start": t0, **summary.get("timing", {})}},

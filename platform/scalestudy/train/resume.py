@@ -2,7 +2,7 @@
 
 Every `fault_tolerance.checkpoint_every` steps (between timed steps, never inside one) every rank
 saves its DeepSpeed checkpoint (ZeRO shards included) and hands it to the trial's reporter with the
-loop's state: the next step, the step times and losses so far, restarts, resizes and time lost.
+loop's state: the next step, the step times and losses so far, restarts, segments and time lost.
 Under Ray Train the reporter reports it as a Ray Train checkpoint; when Ray Train restarts the worker
 group (FailureConfig) or resizes an elastic one, the new workers get it back from the reporter
 (`ray.train.get_checkpoint()`), load it and carry on from the saved step, so the timed window ends up
@@ -32,7 +32,11 @@ class LoopState:
     step_times_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     restarts: int = 0
-    resizes: list[dict[str, int]] = field(default_factory=list)
+    # The segments at one world size (train/segments.py), where this segment's timed steps start
+    # and where the loop ends (later after a resize: each new segment warms up again).
+    segments: list[dict[str, int]] = field(default_factory=list)
+    timed_from: int = 0
+    end_step: int = 0
     time_lost_s: float = 0.0
     checkpoint_wall: float = 0.0
     first_measured_wall: float | None = None
@@ -64,9 +68,6 @@ def restore(engine, world_size: int, reporter) -> LoopState:
         engine.load_checkpoint(d, tag=TAG, load_module_only=not same,
                                load_optimizer_states=same, load_lr_scheduler_states=same)
     state.restarts += 1
-    if not same:
-        state.resizes.append({"from": state.world_size, "to": world_size,
-                              "at_step": state.next_step})
-        state.world_size = world_size
+    state.world_size = world_size  # a new size opens a segment (train/segments.py)
     state.time_lost_s += time.time() - state.checkpoint_wall
     return state

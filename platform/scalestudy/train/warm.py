@@ -42,8 +42,10 @@ WAIT_SLICE_S = 0.25
 
 
 def resources_per_worker(cfg: TrialConfig) -> dict[str, float]:
-    """As a cold trial's ScalingConfig asks (train/launch.py)."""
-    return {"GPU": 1, "CPU": 8} if cfg.hardware_profile.kind == "gpu" else {"CPU": 1}
+    """As a cold trial's ScalingConfig asks (train/placement.py: the profile's device and CPUs)."""
+    from scalestudy.train.placement import resources_per_worker as from_profile
+
+    return from_profile(cfg)
 
 
 def shape_of(cfg: TrialConfig) -> tuple:
@@ -103,6 +105,7 @@ class TrialWorker:
         self.local_rank = int(env["LOCAL_RANK"])
         prepare_process(cfg)
         init_process_group(cfg, self.local_rank)
+        import scalestudy.train.body  # noqa: F401 - its imports are the group's start, not a trial's
         self.clean = reentry.snapshot()
 
     def run(self, cfg: TrialConfig, fault: str | None, instrument: bool) -> dict[str, Any] | None:

@@ -55,6 +55,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     prepare_process(cfg)
     reporter = RayReporter(config["channel"])
     init_process_group(cfg, reporter.local_rank)
+    from scalestudy.train.placement import check_tp_nodes
+
+    # Before anything is built: a TP group across nodes fails the trial with its reason.
+    reporter.summary_extra = {"worker_node_ids": check_tp_nodes(cfg)}
 
     from scalestudy.train.body import run_body
 

@@ -1,0 +1,125 @@
+"""Where a measured trial's workers go: the Ray Train scaling config of a trial, the controller's
+health-check interval, and the check at a trial's start that every TP group shares one node.
+
+A trial that fits in one node gets STRICT_PACK: Ray places all its workers on one node or none, so
+its collectives never cross the network. A larger trial takes whole nodes (the layout refuses a
+world size that is not a multiple of the devices per node, parallel/layout.py); PACK then fills
+them, and Ray Train orders ranks node by node, so each node holds consecutive ranks and a TP group
+(tp consecutive ranks, tp <= devices per node) stays inside one. Every worker still reports its
+node at the start and the trial fails with the reason when a TP group crosses nodes: an elastic
+trial runs at whatever size the cluster holds, and another trial may hold part of a node.
+
+The decisions are pure; only `gather_node_ids` and `check_tp_nodes` (run in the workers) touch Ray
+and torch.distributed, lazily.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scalestudy.parallel.layout import Layout
+from scalestudy.spec.trial import TrialConfig
+
+# The controller polls every worker once per interval. 0.2 s on a small local cluster shortens each
+# report and the end of a trial by ~2 s (Ray's default is 2 s); at thousands of GPU workers that
+# would be thousands of polls a second, so a GPU trial keeps Ray's default until it has more than
+# POLLS_PER_S_GPU * 2 s workers and then scales the interval with its workers.
+HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+LOCAL_HEALTH_CHECK_S = 0.2
+RAY_DEFAULT_HEALTH_CHECK_S = 2.0
+POLLS_PER_S_GPU = 128
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The placement part of a trial's ray.train.ScalingConfig."""
+
+    num_workers: int | tuple[int, int]
+    use_gpu: bool
+    resources_per_worker: dict[str, float]
+    placement_strategy: str
+    accelerator_type: str | None
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def scaling_kwargs(self) -> dict:
+        return {"num_workers": self.num_workers, "use_gpu": self.use_gpu,
+                "resources_per_worker": dict(self.resources_per_worker),
+                "placement_strategy": self.placement_strategy,
+                "accelerator_type": self.accelerator_type, **self.extra}
+
+    def describe(self) -> str:
+        """One line for a reason: what the trial waited for."""
+        n = self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+        acc = f", accelerator_type {self.accelerator_type}" if self.accelerator_type else ""
+        return f"{n} x {self.resources_per_worker} ({self.placement_strategy}{acc})"
+
+
+def device_resource(cfg: TrialConfig) -> str:
+    hw = cfg.hardware_profile
+    return hw.device_resource or ("GPU" if hw.kind == "gpu" else "CPU")
+
+
+def resources_per_worker(cfg: TrialConfig) -> dict[str, float]:
+    """One device and the profile's CPUs beside it (a cpu profile's device is its core)."""
+    hw, device = cfg.hardware_profile, device_resource(cfg)
+    if device == "CPU":
+        return {"CPU": hw.cpus_per_device}
+    return {device: 1.0, "CPU": hw.cpus_per_device}
+
+
+def placement_for(cfg: TrialConfig) -> Placement:
+    """The trial's placement: STRICT_PACK when its largest world fits in one node, else PACK over
+    whole nodes (the layout has refused a fixed world that does not fill them)."""
+    el = cfg.elastic
+    largest = el.max_workers if el else cfg.world_size
+    one_node = largest <= cfg.hardware_profile.gpus_per_node
+    return Placement(
+        num_workers=(el.min_workers, el.max_workers) if el else cfg.world_size,
+        use_gpu=device_resource(cfg) == "GPU",
+        resources_per_worker=resources_per_worker(cfg),
+        placement_strategy="STRICT_PACK" if one_node else "PACK",
+        accelerator_type=cfg.hardware_profile.accelerator_type,
+        extra={"elastic_resize_monitor_interval_s": el.resize_check_s} if el else {},
+    )
+
+
+def health_check_interval_s(cfg: TrialConfig) -> float:
+    """Short on CPU (local) trials; Ray's default on GPU clusters, longer past
+    POLLS_PER_S_GPU * 2 s workers so the controller's polls stay under POLLS_PER_S_GPU a second."""
+    if cfg.hardware_profile.kind != "gpu":
+        return LOCAL_HEALTH_CHECK_S
+    workers = cfg.elastic.max_workers if cfg.elastic else cfg.world_size
+    return max(RAY_DEFAULT_HEALTH_CHECK_S, workers / POLLS_PER_S_GPU)
+
+
+def tp_node_reason(layout: Layout, node_of_rank: list[str]) -> str | None:
+    """Why the trial may not run on these nodes, or None: a TP group crossing nodes."""
+    off = layout.tp_groups_off_node(node_of_rank)
+    if not off:
+        return None
+    group = off[0]
+    nodes = sorted({node_of_rank[r][:8] for r in group})
+    return (f"placement: TP group {group} spans nodes {', '.join(nodes)} "
+            f"({len(off)} of {len(layout.tp_groups())} TP groups cross nodes); "
+            "a TP group must share one node")
+
+
+def gather_node_ids() -> list[str]:
+    """Every rank's Ray node id, in rank order (torch.distributed is up)."""
+    import ray
+    import torch.distributed as dist
+
+    mine = ray.get_runtime_context().get_node_id()
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def check_tp_nodes(cfg: TrialConfig) -> list[str]:
+    """In every worker at the start of an attempt: the ranks' nodes, or RuntimeError with the
+    reason when a TP group of this attempt's layout crosses nodes."""
+    node_ids = gather_node_ids()
+    reason = tp_node_reason(cfg.layout.resized(len(node_ids)), node_ids)
+    if reason:
+        raise RuntimeError(reason)
+    return node_ids
