@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-quick test-fast bench figures clean
+.PHONY: venv demo test test-quick test-fast bench figures gpu-check clean
 
 venv: $(STAMP)
 
@@ -49,6 +49,18 @@ bench: $(STAMP)
 figures: $(STAMP)
 	for spec in experiments/paper/*.yaml; do $(BIN)/scalestudy sweep $$spec || exit 1; done
 	$(BIN)/python -m scalestudy_analysis.headline experiments/paper docs/figures
+
+# A freshly booted GPU machine (NVIDIA driver, CUDA torch, deepspeed and transformers present): calibrate
+# the local GPUs, measure a short study through the torchrun adapter, predict it, print one table and
+# write results/gpu-check/. No Ray, no MLflow: only the project itself (--no-deps) and its small
+# pure-Python dependencies are installed, into the machine's own Python. Exits 2 without a CUDA device.
+GPU_PYTHON ?= python3
+gpu-check:
+	@$(GPU_PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 2)" 2>/dev/null \
+		|| { echo "gpu-check: no CUDA device is visible to torch on this machine; nothing to check" >&2; exit 2; }
+	$(GPU_PYTHON) -m pip install --quiet --no-deps -e .
+	$(GPU_PYTHON) -m pip install --quiet "pydantic>=2.6" "pyyaml>=6" "typer>=0.12" "rich>=13" "nvidia-ml-py>=12"
+	$(GPU_PYTHON) -m scalestudy.calibrate.gpucheck
 
 clean:
 	rm -rf results reports mlflow.db

@@ -289,10 +289,12 @@ def calibrate(
         from scalestudy.calibrate.local import calibrate_local as run_calibration
     else:
         from scalestudy.calibrate.run import calibrate as run_calibration
+    from scalestudy.calibrate.gpu import NoCudaDevice
+
     t0 = time.time()
     try:
         profile = run_calibration(catalog.get_hardware(hardware), quick=quick, precisions=precision)
-    except NotImplementedError as e:
+    except (NotImplementedError, NoCudaDevice) as e:
         _fail(SpecError("--hardware", hardware, str(e)))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     catalog.write_profile(profile, out_path)

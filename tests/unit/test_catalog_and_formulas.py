@@ -18,7 +18,8 @@ REPO = Path(__file__).parents[2]
 
 
 @pytest.mark.parametrize(
-    "name, published_b", [("llama2-7b", 6.74), ("llama2-13b", 13.02), ("llama2-70b", 68.98)]
+    "name, published_b", [("llama2-7b", 6.74), ("llama2-13b", 13.02), ("llama2-70b", 68.98),
+                               ("tinyllama-1.1b", 1.10)]
 )
 def test_parameter_counts(name, published_b):
     n = catalog.get_model(name).num_params() / 1e9

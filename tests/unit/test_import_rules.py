@@ -35,8 +35,10 @@ ALLOWED: dict[str, set[str]] = {
     "__init__": set(),
 }
 HEAVY = ("torch", "ray", "deepspeed")
-# The trial body and everything it imports must run without Ray (train/local.py, under torchrun).
-RAY_FREE_ENTRY_POINTS = ("scalestudy.train.body", "scalestudy.train.local")
+# The trial body and everything it imports must run without Ray (train/local.py, under torchrun), and
+# so must `make gpu-check` (calibrate/gpucheck.py, calibrate/gpu.py).
+RAY_FREE_ENTRY_POINTS = ("scalestudy.train.body", "scalestudy.train.local", "scalestudy.calibrate.gpucheck",
+                         "scalestudy.calibrate.gpu")
 
 
 def module_name(root_pkg: str, root: Path, path: Path) -> str:

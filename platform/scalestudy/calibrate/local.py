@@ -134,8 +134,10 @@ def calibrate_local(base: HardwareProfile, quick: bool = False, precisions: list
                     max_world: int = 2) -> HardwareProfile:
     """calibrate/run.py's calibrate() without Ray: the world-1 benchmarks here, then min(max_world,
     cores) ranks for the collectives and the shared reference step."""
-    if base.kind != "cpu":
-        raise NotImplementedError("calibrate measures CPU devices here; GPU runs need NCCL workers")
+    if base.kind == "gpu":  # this machine's GPUs, one process per GPU (no Ray either)
+        from scalestudy.calibrate.gpu import calibrate_local_gpus
+
+        return calibrate_local_gpus(base, quick=quick)
     config = {"quick": quick, "precisions": precisions or default_precisions(base)}
     world = min(max_world, len(os.sched_getaffinity(0)))
     ranks = _Ranks(world, config) if world >= 2 else None

@@ -208,13 +208,17 @@ def build_profile(base: HardwareProfile, alone: dict, shared: dict | None,
 
 def calibrate(base: HardwareProfile, quick: bool = False, precisions: list[str] | None = None,
               max_world: int = 2) -> HardwareProfile:
-    """Run the microbenchmarks on the current Ray cluster (started locally when none is joined)."""
+    """Run the microbenchmarks on the current Ray cluster (started locally when none is joined); a
+    GPU profile is calibrated on this machine's GPUs instead, one process per GPU and no Ray
+    (calibrate/gpu.py; one node: the catalogue's network figure stays)."""
+    if base.kind == "gpu":
+        from scalestudy.calibrate.gpu import calibrate_local_gpus
+
+        return calibrate_local_gpus(base, quick=quick)
     import ray
 
     from scalestudy.train.launch import ensure_ray
 
-    if base.kind != "cpu":
-        raise NotImplementedError("calibrate measures CPU devices here; GPU runs need NCCL workers")
     ensure_ray()
     precisions = precisions or default_precisions(base)
     config = {"quick": quick, "precisions": precisions}

@@ -16,23 +16,24 @@ between steps, never inside one (train/resume.py).
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from scalestudy.measure.energy import EnergyReading, NoMeter, make_meter, reduce_energy_across_ranks
-from scalestudy.measure.memory import peak_memory_gib, reset_peak
-from scalestudy.measure.profiled_window import reduce_across_ranks, run_profiled_window
-from scalestudy.measure.utilization import make_utilization
+from scalestudy.measure.devices import gather_node_devices
+from scalestudy.measure.energy import NAN, EnergyReading
+from scalestudy.measure.memory import memory_reading, reduce_memory_across_ranks, reset_peak
+from scalestudy.measure.meters import TrialMeters
+from scalestudy.measure.profiled_window import reduce_across_ranks, run_profiled_micro_batches
 from scalestudy.parallel.deepspeed_config import deepspeed_config
 from scalestudy.parallel.layout import Layout
 from scalestudy.spec.trial import TrialConfig
 from scalestudy.train import resume, segments, timing
-from scalestudy.train.data import global_batch
-from scalestudy.train.model_factory import build_model
+from scalestudy.train.construct import build_trial_model
+from scalestudy.train.data import global_batch, stage_window
 from scalestudy.train.process import device_for, sync
 
 SHARD_PROBES = ("layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight")
@@ -64,23 +65,40 @@ class Trial:
     device: torch.device
     rank: int
     ds_config: dict[str, Any]
+    # The timed window's micro-batches, on the device before it starts ({step: [micro-batch, ...]}):
+    # the step timer then holds no host-to-device copy. Other steps build theirs in the step.
+    staged: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     @property
     def dp_rank(self) -> int:
         return self.layout.coords(self.rank)[0]
 
-    def step(self, step: int) -> torch.Tensor:
-        """One optimizer step over the layout's micro-batches; the mean loss, left on the device."""
+    def stage(self, steps: range) -> None:
+        cfg = self.cfg
+        self.staged = stage_window(steps, self.device, self.layout, self.dp_rank, seq_len=cfg.seq_len,
+                                   vocab_size=cfg.model_dims.vocab_size, seed=cfg.seed)
+
+    def _ids(self, step: int, k: int) -> torch.Tensor:
+        if step in self.staged:
+            return self.staged[step][k]
         cfg, lay = self.cfg, self.layout
         batch = global_batch(step, lay.global_batch, cfg.seq_len, cfg.model_dims.vocab_size, cfg.seed)
+        return batch[lay.batch_rows(k, self.dp_rank)].to(self.device)
+
+    def micro_batch(self, step: int, k: int) -> torch.Tensor:
+        """Forward, backward and engine step of micro-batch ``k`` of ``step``; its loss, on the device."""
+        ids = self._ids(step, k)
+        loss = self.engine(input_ids=ids, labels=ids).loss
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach().float()
+
+    def step(self, step: int) -> torch.Tensor:
+        """One optimizer step over the layout's micro-batches; the mean loss, left on the device."""
         total = torch.zeros((), device=self.device)
-        for k in range(lay.grad_accum):
-            ids = batch[lay.batch_rows(k, self.dp_rank)].to(self.device)
-            loss = self.engine(input_ids=ids, labels=ids).loss
-            self.engine.backward(loss)
-            self.engine.step()
-            total += loss.detach().float()
-        return total / lay.grad_accum
+        for k in range(self.layout.grad_accum):
+            total += self.micro_batch(step, k)
+        return total / self.layout.grad_accum
 
 
 def build(cfg: TrialConfig, device: torch.device) -> Trial:
@@ -90,7 +108,7 @@ def build(cfg: TrialConfig, device: torch.device) -> Trial:
 
     layout = cfg.layout.resized(dist.get_world_size())
     ds_config = deepspeed_config(cfg, layout)
-    model = build_model(cfg.model_dims, cfg.seed, cfg.activation_checkpointing)
+    model = build_trial_model(cfg, ds_config, device)  # partitioned or on meta, never whole in fp32
     timing.mark("model_built")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config)
@@ -111,24 +129,12 @@ def _check_tp_group(trial: Trial) -> None:
         raise RuntimeError(f"DeepSpeed TP group {theirs} differs from the layout's {ours}")
 
 
-@dataclass
-class Meters:
-    """Energy and utilisation over the timed window, read once at each end of it."""
-
-    energy: Any
-    utilization: Any
-
-    @classmethod
-    def make(cls, cfg: TrialConfig, local_rank: int, instrument: bool) -> Meters:
-        kind = cfg.hardware_profile.kind
-        energy = (make_meter(kind, local_rank=local_rank) if instrument
-                  else NoMeter("instrumentation disabled for this run"))
-        return cls(energy, make_utilization(kind))
-
-    def start(self) -> None:
-        reset_peak()
-        self.energy.start()
-        self.utilization.start()
+def make_meters(trial: Trial, instrument: bool) -> TrialMeters:
+    """One energy meter and one utilization sampler per node, on the trial's own devices (CUDA
+    UUIDs -> NVML handles, measure/devices.py), owned by the node's lowest rank (collective)."""
+    node = gather_node_devices(trial.device)
+    return TrialMeters(trial.cfg.hardware_profile.kind, node, energy=instrument,
+                       reason_off="instrumentation disabled for this run")
 
 
 @dataclass
@@ -140,6 +146,7 @@ class Window:
     losses: list
     checkpoints: bool
     fault_step: int | None
+    meters: TrialMeters | None = None  # running during the timed window; saves are cut out of it
 
 
 def run_steps(trial: Trial, steps: range, w: Window, reporter: Reporter, timed: bool) -> None:
@@ -159,13 +166,15 @@ def run_steps(trial: Trial, steps: range, w: Window, reporter: Reporter, timed: 
         following = step + 1
         if w.checkpoints and following % every == 0 and following < n_steps:
             w.state.next_step, w.state.losses = following, [float(x) for x in w.losses]
-            resume.save(trial.engine, w.state, trial.rank, reporter)
+            with w.meters.excluded() if timed and w.meters else nullcontext():
+                resume.save(trial.engine, w.state, trial.rank, reporter)
 
 
-def warmup_and_timed_window(trial: Trial, reporter: Reporter, meters: Meters,
+def warmup_and_timed_window(trial: Trial, reporter: Reporter, meters: TrialMeters,
                             fault_step: int | None) -> Window:
-    """Warm-up steps, then the timed window with the meters running; a restarted attempt resumes
-    at its checkpoint's step, in whichever window that was."""
+    """Warm-up steps, then the timed window with the meters running (its batches staged on the
+    device first); a restarted attempt resumes at its checkpoint's step, in whichever window that
+    was."""
     cfg = trial.cfg
     checkpoints = resume.wants_checkpoints(cfg) and reporter.keeps_checkpoints
     world = trial.layout.world_size
@@ -176,20 +185,32 @@ def warmup_and_timed_window(trial: Trial, reporter: Reporter, meters: Meters,
     start, timed_from = state.next_step, state.timed_from
     run_steps(trial, range(start, timed_from), w, reporter, timed=False)
     timing.mark("warmed_up")
+    timed = range(max(timed_from, start), state.end_step)
+    trial.stage(timed)
+    sync(trial.device)
+    reset_peak(trial.device)
+    w.meters = meters
     meters.start()
     if state.first_measured_wall is None:
         state.first_measured_wall = time.time()
-    run_steps(trial, range(max(timed_from, start), state.end_step), w, reporter, timed=True)
+    try:
+        run_steps(trial, timed, w, reporter, timed=True)
+        sync(trial.device)
+    finally:  # a failing step (an injected fault) must not leave the samplers' threads running
+        meters.stop()
     timing.mark("timed_window_done")
+    trial.staged = {}
     return w
 
 
 def profiled_window(trial: Trial) -> dict[str, Any]:
-    """Communication and overlap from a profiled window after the timed one (summary fields)."""
+    """Communication and overlap from a profiled window after the timed one (summary fields):
+    whole steps run, their last micro-batches (at most MICRO_BATCH_CAP) are traced, each collective's
+    bus bandwidth from its own group's size."""
     cfg = trial.cfg
-    n_steps = cfg.steps.warmup + cfg.steps.measure
-    pw = run_profiled_window(lambda s: trial.step(n_steps + s), cfg.steps.profile,
-                             world_size=dist.get_world_size(), device=trial.device)
+    pw = run_profiled_micro_batches(trial.micro_batch, trial.layout.grad_accum, device=trial.device,
+                                    first_step=cfg.steps.warmup + cfg.steps.measure,
+                                    n_steps=cfg.steps.profile)
     return reduce_across_ranks(pw, trial.device).summary()
 
 
@@ -199,25 +220,15 @@ def _all_reduce(values: list[float], op, device: torch.device) -> torch.Tensor:
     return t
 
 
-def reduce_meters(trial: Trial, w: Window, meters: Meters, local_rank: int) -> dict[str, Any]:
-    """The meters' readings of the timed window: energy summed per node, utilisation averaged
-    over ranks."""
-    device, world = trial.device, dist.get_world_size()
-    sync(device)
-    energy = reduce_energy_across_ranks(meters.energy.stop(), local_rank, device)
-    if w.state.restarts and energy.source != "none":
-        energy = EnergyReading(float("nan"), 0.0, source="none",
-                               reason="trial restarted mid-window: the meter saw only part of it")
-    util = list(meters.utilization.stop().values())
-    util_mean = sum(util) / len(util) if util else float("nan")
-    return {
-        "utilization": float(_all_reduce([util_mean], dist.ReduceOp.SUM, device).item()) / world,
-        "utilization_kind": type(meters.utilization).__name__,
-        "energy_j": energy.energy_j,
-        "power_w": energy.power_w,
-        "energy_source": energy.source,
-        "energy_reason": energy.reason,
-    }
+def reduce_meters(trial: Trial, w: Window, meters: TrialMeters) -> dict[str, Any]:
+    """The meters' readings of the timed window (collective): energy summed over the nodes'
+    owners, GPU-only under NVML (``energy_scope`` says what it covers); utilisation the mean over
+    the trial's devices."""
+    result = meters.reduce(trial.device)
+    if w.state.restarts and result.energy.source != "none":
+        result.energy = EnergyReading(NAN, 0.0, source="none",
+                                      reason="trial restarted mid-window: the meter saw only part of it")
+    return result.summary(trial.cfg.tokens_per_step * len(w.state.step_times_s))
 
 
 def reduce_steps(trial: Trial, w: Window) -> dict[str, Any]:
@@ -226,12 +237,15 @@ def reduce_steps(trial: Trial, w: Window) -> dict[str, Any]:
     device, world = trial.device, dist.get_world_size()
     losses = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device) for x in w.losses])
     dist.all_reduce(losses, op=dist.ReduceOp.SUM)
-    peak, source = peak_memory_gib()
+    mem = reduce_memory_across_ranks(memory_reading(device), device)
     return {
         "step_times_s": _all_reduce(w.state.step_times_s, dist.ReduceOp.MAX, device).cpu().tolist(),
         "losses": (losses / world).cpu().tolist(),
-        "peak_memory_gib": float(_all_reduce([peak], dist.ReduceOp.MAX, device).item()),
-        "memory_source": source,
+        "peak_memory_gib": mem.allocated_gib,
+        "peak_memory_reserved_gib": mem.reserved_gib,
+        "device_memory_used_gib": mem.device_used_gib,
+        "memory_source": mem.source,
+        "memory_missing": mem.missing,
     }
 
 
@@ -286,10 +300,10 @@ def run_body(cfg: TrialConfig, reporter: Reporter, *, fault: str | None = None,
     reports; rank 0 returns the summary, the others None. `fault` makes rank 0 raise at a step
     (the failure-path tests fail a real trial with it)."""
     trial = build(cfg, device_for(cfg, reporter.local_rank))
-    meters = Meters.make(cfg, reporter.local_rank, instrument)
+    meters = make_meters(trial, instrument)
     injected = fault_step(fault, cfg.run_name) if trial.rank == 0 else None
     w = warmup_and_timed_window(trial, reporter, meters, injected)
-    meter_readings = reduce_meters(trial, w, meters, reporter.local_rank)
+    meter_readings = reduce_meters(trial, w, meters)
     profiled = profiled_window(trial) if instrument and cfg.steps.profile else {}
     timing.mark("windows_done")
     # An adapter may add what only it knows (the Ray adapter: each rank's node).

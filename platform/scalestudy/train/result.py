@@ -75,12 +75,15 @@ def summarize(cfg: TrialConfig, summary: dict[str, Any], t0: float) -> TrialResu
     energy, missing = _energy_fields(cfg, summary, len(step_times))
     comm, comm_missing = _comm_fields(summary)
     missing.update(comm_missing)
+    missing.update(summary.get("memory_missing", {}))
     gpu = cfg.hardware_profile.kind == "gpu" and summary.get("utilization_kind") == "NvmlUtilization"
     util = {M.DEVICE_UTILIZATION_PCT if gpu else M.CPU_UTILIZATION_CORES: summary["utilization"]}
     first = summary.get("first_measured_step_wall")
     return TrialResult.from_config(
         cfg, Status.completed, **fields, **energy, **util, **comm, missing=missing,
         peak_memory_gib=summary["peak_memory_gib"], memory_source=summary["memory_source"],
+        peak_memory_reserved_gib=summary.get("peak_memory_reserved_gib", M.NAN),
+        device_memory_used_gib=summary.get("device_memory_used_gib", M.NAN),
         loss_first=losses[0], loss_last=losses[-1], step_times_s=step_times, losses=losses,
         wall_time_s=time.time() - t0,
         time_to_first_step_s=(first - t0) if first else M.NAN,
@@ -92,6 +95,10 @@ def summarize(cfg: TrialConfig, summary: dict[str, Any], t0: float) -> TrialResu
                "shard_shapes": summary.get("shard_shapes"),
                "final_world_size": summary.get("world_size", cfg.world_size),
                "final_grad_accum": summary.get("grad_accum"),
+               # What the measured energy covers (GPU boards only under NVML) and what was cut out.
+               "energy_scope": summary.get("energy_scope"),
+               "energy_excluded_s": summary.get("energy_excluded_s"),
+               "utilization_metric": summary.get("utilization_metric"),
                "worker_node_ids": summary.get("worker_node_ids"),
                # where the trial's time went: epoch-second marks of rank 0 and the adapter
                # (train/timing.py), from the trial's start in its adapter

@@ -1,0 +1,77 @@
+"""The pieces of train/construct.py and the DeepSpeed settings that need no process group: parameters
+on meta then materialised (tied weights stay tied, buffers stay real), initial weights that depend on
+(seed, name) only, a ZeRO-3 partition written in DeepSpeed's layout, and the engine settings that are
+set explicitly per device kind."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from scalestudy.parallel.deepspeed_config import deepspeed_config
+from scalestudy.spec.catalog import get_model
+from scalestudy.train import construct
+from tests.conftest import trial
+
+
+def _built(precision: str, zero: int = 0):
+    cfg = trial([f"precision={precision}", f"zero_stage={zero}", "world_size=1"])
+    return cfg, construct.build_trial_model(cfg, deepspeed_config(cfg), torch.device("cpu"))
+
+
+def test_meta_build_is_materialised_in_the_training_dtype_with_real_buffers():
+    _, model = _built("bf16")
+    params = list(model.parameters())
+    assert params and all(p.device.type == "cpu" and p.dtype == torch.bfloat16 for p in params)
+    inv_freq = model.model.rotary_emb.inv_freq
+    assert inv_freq.dtype == torch.float32 and torch.isfinite(inv_freq).all() and inv_freq[0] == 1.0
+
+
+def test_initial_weights_depend_on_seed_and_name_only():
+    _, a = _built("fp32")
+    _, b = _built("bf16")
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa.to(torch.bfloat16), pb), name  # the same fp32 draw, cast
+    norms = [p for n, p in a.named_parameters() if n.endswith("norm.weight")]
+    assert norms and all(torch.all(p == 1) for p in norms)
+    q = a.model.layers[0].self_attn.q_proj.weight
+    assert abs(q.std().item() - 0.02) < 0.002  # N(0, initializer_range)
+
+
+def test_tied_weights_stay_tied_through_meta():
+    from transformers import GPT2Config
+
+    cls = construct.model_class(get_model("gpt3-175b"))
+    with construct.parameters_on_meta():
+        model = cls._from_config(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
+    assert model.lm_head.weight.device.type == "meta"
+    construct.materialise(model, torch.device("cpu"), torch.float32)
+    assert model.lm_head.weight is model.transformer.wte.weight and model.lm_head.weight.device.type == "cpu"
+
+
+def test_partition_written_in_deepspeeds_layout():
+    values = torch.arange(10, dtype=torch.float32).reshape(2, 5)
+    got = []
+    for rank in range(3):  # 10 elements over 3 ranks: pieces of 4, the last padded with zeros
+        p = SimpleNamespace(ds_tensor=torch.full((4,), -1.0))
+        p.ds_tensor.ds_numel = 4
+        construct._write_partition(p, values, rank)
+        got.append(p.ds_tensor.tolist())
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 0]]
+
+
+def test_engine_settings_are_explicit_per_device_kind():
+    cpu1 = deepspeed_config(trial(["zero_stage=1", "world_size=1"]))
+    gpu1 = deepspeed_config(trial(["zero_stage=1", "world_size=1", "hardware=h100-80gb"]))
+    gpu3 = deepspeed_config(trial(["zero_stage=3", "world_size=1", "hardware=h100-80gb"]))
+    assert cpu1["optimizer"]["params"]["fused"] is False and gpu1["optimizer"]["params"]["fused"] is True
+    assert cpu1["optimizer"]["params"]["torch_adam"] is True
+    assert cpu1["zero_optimization"]["overlap_comm"] is False  # DeepSpeed's CPU defaults, written out
+    assert deepspeed_config(trial(["zero_stage=3", "world_size=1"]))["zero_optimization"]["overlap_comm"]
+    for ds in (gpu1, gpu3):
+        z = ds["zero_optimization"]
+        assert z["overlap_comm"] is True and z["contiguous_gradients"] is True and z["reduce_bucket_size"] > 0
+    assert gpu1["zero_optimization"]["allgather_bucket_size"] > 0
+    assert gpu3["zero_optimization"]["stage3_prefetch_bucket_size"] > 0
+    assert set(deepspeed_config(trial(["zero_stage=0", "world_size=1"]))["zero_optimization"]) == {"stage"}
