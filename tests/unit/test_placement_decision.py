@@ -54,11 +54,11 @@ def test_placement_cpu_profile_reserves_cores():
     assert p.placement_strategy == "STRICT_PACK" and p.accelerator_type is None
 
 
-def test_placement_elastic_packs_by_its_largest_world():
+def test_placement_elastic_packs_loosely_to_grow_onto_new_nodes():
     (planned,) = _trials(hardware="cpu-local", world_size=2, global_batch=4,
                          elastic={"min_workers": 1, "max_workers": 2})
     p = placement_for(planned.config)
-    assert p.num_workers == (1, 2) and p.placement_strategy == "STRICT_PACK"
+    assert p.num_workers == (1, 2) and p.placement_strategy == "PACK"
     assert p.scaling_kwargs()["elastic_resize_monitor_interval_s"] == 60.0
     (wide,) = _trials(hardware="cpu-local", world_size=3, global_batch=6,
                       elastic={"min_workers": 2, "max_workers": 3})

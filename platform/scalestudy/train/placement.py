@@ -68,11 +68,13 @@ def resources_per_worker(cfg: TrialConfig) -> dict[str, float]:
 
 
 def placement_for(cfg: TrialConfig) -> Placement:
-    """The trial's placement: STRICT_PACK when its largest world fits in one node, else PACK over
-    whole nodes (the layout has refused a fixed world that does not fill them)."""
+    """The trial's placement: STRICT_PACK when its world fits in one node, else PACK over whole
+    nodes (the layout has refused a fixed world that does not fill them). An elastic trial always
+    packs loosely: it exists to grow onto nodes that arrive and to survive one that goes, which a
+    group held to a single node could do only by restarting elsewhere whole (the autoscaling test
+    grows a 1-worker trial onto a new 1-CPU node)."""
     el = cfg.elastic
-    largest = el.max_workers if el else cfg.world_size
-    one_node = largest <= cfg.hardware_profile.gpus_per_node
+    one_node = el is None and cfg.world_size <= cfg.hardware_profile.gpus_per_node
     return Placement(
         num_workers=(el.min_workers, el.max_workers) if el else cfg.world_size,
         use_gpu=device_resource(cfg) == "GPU",
