@@ -95,6 +95,48 @@ def test_profile_from_measured_figures_is_one_the_model_reads():
     profile = profile_from(base, alone, shared, 8)
     assert profile.kind == "gpu" and profile.hbm_gbps == 2900.0 and profile.nvlink_gbps_per_gpu == 360.0
     assert profile.calibration["gemm_tflops_bf16"] == alone["gemm"]
+    # MFU keeps the datasheet denominator; the best GEMM measured is an efficiency of it.
+    assert profile.peak_tflops["bf16"] == base.peak_tflops["bf16"]
+    assert profile.calibration["gemm_efficiency"] == pytest.approx(700.0 / base.peak_tflops["bf16"])
     assert profile.calibration["in_step_slowdown"] >= 1.0
     cfg = trial(["world_size=8", "zero_stage=3", "hardware=h100-80gb", "precision=bf16"])
     assert predict(cfg, profile).tokens_per_s > 0
+
+
+def test_zero3_reference_step_prices_stage_3_hooks_at_world_1():
+    """The H200 check (2026-12-04) ran TinyLlama at half stage 0's throughput under stage 3 on one
+    GPU: calibrate measures the reference at stage 3 too, and the profile then predicts stage 3
+    slower where the catalogue's (hooks hidden: 0) predicts both the same."""
+    from scalestudy.calibrate.gpu import profile_from
+    from scalestudy.calibrate.reference_step import reference_config
+    from scalestudy.perfmodel.predict import predict, simulate
+    from scalestudy.perfmodel.params import params_for
+    from scalestudy.spec.catalog import get_hardware
+    from tests.conftest import trial
+
+    base = get_hardware("h200-141gb")
+    alone = {"gemm": [[1e10, 500.0], [1.1e12, 770.0]], "hbm_gbps": 4200.0,
+             "attention": [[128.0, 2048.0, 64.0, 2e-4, 6e-4]]}
+    ref = reference_config("bf16", 1, hardware=base.name)
+    model_s = simulate(ref, params_for(base))[0].step_s
+    alone |= {"reference_step_s": 1.5 * model_s, "reference_step_zero3_s": 2.5 * model_s}
+    profile = profile_from(base, alone, None, 1)
+    assert 1.4 < profile.calibration["in_step_slowdown"] < 1.6
+    assert profile.calibration["zero3_module_overhead_s"] > 0
+    z0, z3 = (trial(["world_size=1", f"zero_stage={z}", "hardware=h200-141gb", "precision=bf16"])
+              for z in (0, 3))
+    assert predict(z3, profile).tokens_per_s < 0.9 * predict(z0, profile).tokens_per_s
+    assert predict(z3, base).tokens_per_s == pytest.approx(predict(z0, base).tokens_per_s)
+
+
+def test_gpu_reference_step_shares_no_model_sequence_or_tokens_with_the_gpu_check():
+    from scalestudy.calibrate.gpucheck import SPEC
+    from scalestudy.calibrate.reference_step import reference_config
+    from scalestudy.spec.load import load_spec, plan
+
+    cfgs = [p.config for p in plan(load_spec(SPEC, ["world_size=1"]))]
+    for zero in (0, 3):
+        ref = reference_config("bf16", 1, hardware="h200-141gb", zero_stage=zero)
+        assert ref.model not in {c.model for c in cfgs}
+        assert ref.seq_len not in {c.seq_len for c in cfgs}
+        assert ref.micro_batch * ref.seq_len not in {c.micro_batch * c.seq_len for c in cfgs}

@@ -27,21 +27,34 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 from scalestudy.perfmodel.params import params_for
 from scalestudy.perfmodel.predict import simulate
+from scalestudy.spec import catalog
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.spec.load import validate_spec
 from scalestudy.spec.study import TrialConfig, expand
 
 REFERENCE = {"model": "llama2-calib", "micro_batch": 2, "seq_len": 192, "zero_stage": 0}
+# On a GPU the CPU reference (384 tokens a step) is all kernel launches: measured on an H200
+# (2026-12-04) it drove in_step_slowdown to the top of its range and the calibrated profile then
+# predicted TinyLlama 5.9x too slow. The GPU reference runs 2 x 3,072 tokens of a 2,560-wide model.
+REFERENCE_GPU = {"model": "llama2-calib-gpu", "micro_batch": 2, "seq_len": 3072, "zero_stage": 0}
 WARMUP_STEPS = 3
 FACTOR_RANGE = (1.0, 8.0)  # a slowdown is at least 1; 8 only bounds the search
+OVERHEAD_RANGE_S = (0.0, 0.01)  # per ZeRO-3 module run; 10 ms only bounds the search
 
 
-def reference_config(precision: str, world_size: int, hardware: str = "cpu-local") -> TrialConfig:
+def reference_config(precision: str, world_size: int, hardware: str = "cpu-local",
+                     zero_stage: int = 0) -> TrialConfig:
+    """The reference trial on ``hardware`` (a catalogue name or profile path): the GPU shape on GPU
+    profiles, the CPU one otherwise."""
+    profile = (catalog.get_hardware(hardware) if hardware in catalog.hardware_names()
+               else catalog.load_hardware_file(Path(hardware)))
+    shape = REFERENCE_GPU if profile.kind == "gpu" else REFERENCE
     spec = validate_spec({"name": "calibrate-reference", "hardware": hardware, "precision": precision,
-                          "world_size": world_size, **REFERENCE})
+                          "world_size": world_size, **shape, "zero_stage": zero_stage})
     return expand(spec)[0].config
 
 
@@ -77,14 +90,16 @@ def measure_step_s(precision: str, steps: int) -> float:
     return statistics.median(slowest.tolist())
 
 
-def solve_factor(cfg: TrialConfig, name: str, measured_s: float, **fixed: float) -> float:
-    """The value of the slowdown `name` in FACTOR_RANGE at which the model's step time of `cfg`
-    equals measured_s (bisection: the step time grows with either factor). Clamped at the range's
-    ends: a measured step faster than the model's unslowed one gives 1."""
+def solve_factor(cfg: TrialConfig, name: str, measured_s: float, span: tuple[float, float] = FACTOR_RANGE,
+                 **fixed: float) -> float:
+    """The value of the parameter `name` in ``span`` at which the model's step time of `cfg` equals
+    measured_s (bisection: the step time grows with each of the slowdowns and overheads solved for).
+    Clamped at the span's ends: a measured step faster than the model's unslowed one gives the low
+    end."""
     def step_s(k: float) -> float:
         return simulate(cfg, params_for(cfg.hardware_profile, **fixed, **{name: k}))[0].step_s
 
-    low, high = FACTOR_RANGE
+    low, high = span
     if step_s(low) >= measured_s:
         return low
     if step_s(high) <= measured_s:
@@ -96,16 +111,23 @@ def solve_factor(cfg: TrialConfig, name: str, measured_s: float, **fixed: float)
 
 
 def factors(profile: HardwareProfile, base: str, alone_s: dict[str, float],
-            shared_s: dict[str, float] | None = None, world: int = 1) -> dict[str, float]:
+            shared_s: dict[str, float] | None = None, world: int = 1,
+            zero3_alone_s: dict[str, float] | None = None) -> dict[str, float]:
     """in_step_slowdown, and shared_node_slowdown when a `world`-worker run measured the reference
     too, from the measured steps ({precision: seconds}) against `profile` (the microbenchmarks'
-    profile, built on the catalogue profile `base`)."""
-    def on(precision: str, world_size: int) -> TrialConfig:
-        cfg = reference_config(precision, world_size, hardware=base)
+    profile, built on the catalogue profile `base`). With the reference also measured at ZeRO
+    stage 3 on one device (GPU calibration), zero3_module_overhead_s: what stage 3 adds per module
+    run at a world size of one, where it has nothing to communicate."""
+    def on(precision: str, world_size: int, zero_stage: int = 0) -> TrialConfig:
+        cfg = reference_config(precision, world_size, hardware=base, zero_stage=zero_stage)
         return cfg.model_copy(update={"hardware_profile": profile, "hardware": profile.name})
 
     out = {"in_step_slowdown": statistics.median(
         solve_factor(on(p, 1), "in_step_slowdown", s) for p, s in alone_s.items())}
+    if zero3_alone_s:
+        out["zero3_module_overhead_s"] = statistics.median(
+            solve_factor(on(p, 1, 3), "zero3_module_overhead_s", s, OVERHEAD_RANGE_S, **out)
+            for p, s in zero3_alone_s.items())
     if shared_s and world > 1:
         out["shared_node_slowdown"] = statistics.median(
             solve_factor(on(p, world), "shared_node_slowdown", s, **out) for p, s in shared_s.items())

@@ -66,9 +66,11 @@ class ModelParams(BaseModel):
     optimizer_s_per_param: float | None = Field(None, ge=0)
     # ZeRO-3's fetch/release hooks per module run, in forward and again in backward: DeepSpeed hooks
     # every module whose forward runs, with parameters or not (compute.py counts them per
-    # architecture). Python bookkeeping beyond the all-gathers themselves: hidden behind
-    # asynchronous kernel launches on a GPU (0); serial work on CPU eager (calibrate: stage 3
-    # against stage 0, per module run of its stack of Linears and their Sequential).
+    # architecture). Python bookkeeping beyond the all-gathers themselves, priced as serial work.
+    # CPU eager: calibrate's stage 3 against stage 0, per module run of its stack of Linears and
+    # their Sequential. GPU: calibrate/gpu.py's reference step at stage 3 against stage 0 on one
+    # GPU; the catalogue's GPU profiles keep 0 (hidden behind asynchronous launches), which an H200
+    # contradicted at TinyLlama's size (stage 3 at half stage 0's throughput at world 1, 2026-12-04).
     zero3_module_overhead_s: float = Field(0.0, ge=0)
     # ZeRO-3's trace-based parameter prefetch (zero3.py). DeepSpeed releases before mid-2021 skipped
     # the prefetches (the step id ran one ahead of the recorded trace: DeepSpeed #1069, May 2021),

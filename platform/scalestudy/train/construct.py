@@ -83,6 +83,17 @@ def materialise(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
     model.to(device)  # the buffers
 
 
+def _arange_dtype_kept():
+    """transformers' guard that keeps RoPE's fp32 ``arange`` out of zero.Init's dtype cast. It came
+    with transformers 5.2x (a GPU image with 5.17 has none): without it, those versions compute
+    inv_freq in the training dtype under ZeRO-3, as they do for every user of zero.Init."""
+    try:
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+    except ImportError:
+        return nullcontext()
+    return prevent_arange_dtype_change()
+
+
 def _seed_of(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
 
@@ -144,13 +155,12 @@ def build_trial_model(cfg: Any, ds_config: dict[str, Any], device: torch.device)
     std = float(getattr(config, "initializer_range", 0.02))
     if zero3:
         import deepspeed
-        from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
         # Full module weights are allocated and freed on the host when the device is the CPU.
         with freed_tensors_returned() if device.type == "cpu" else nullcontext():
             # prevent_arange_dtype_change: zero.Init casts new float tensors to the training dtype,
             # RoPE's inv_freq must stay fp32; it has to be entered before zero.Init.
-            with prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=ds_config):
+            with _arange_dtype_kept(), deepspeed.zero.Init(config_dict_or_path=ds_config):
                 model = cls._from_config(config)
             init_weights(model, cfg.seed, std, zero3)
     else:
