@@ -40,14 +40,18 @@ def test_initial_weights_depend_on_seed_and_name_only():
 
 
 def test_tied_weights_stay_tied_through_meta():
-    from transformers import GPT2Config
+    from scalestudy.spec.catalog import ModelDims
+    from scalestudy.train.model_factory import hf_config
 
+    dims = ModelDims(architecture="gpt", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
+                     ffn_hidden_size=128, vocab_size=64, max_seq_len=16)
     cls = construct.model_class(get_model("gpt3-175b"))
     with construct.parameters_on_meta():
-        model = cls._from_config(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
+        model = cls._from_config(hf_config(dims))
     assert model.lm_head.weight.device.type == "meta"
     construct.materialise(model, torch.device("cpu"), torch.float32)
-    assert model.lm_head.weight is model.transformer.wte.weight and model.lm_head.weight.device.type == "cpu"
+    embedding = model.get_input_embeddings().weight
+    assert model.lm_head.weight is embedding and model.lm_head.weight.device.type == "cpu"
 
 
 def test_partition_written_in_deepspeeds_layout():

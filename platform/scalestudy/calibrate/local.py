@@ -160,7 +160,7 @@ def _import_all() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed  # noqa: F401
     import transformers  # noqa: F401
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401
+    from transformers import LlamaForCausalLM, OPTForCausalLM  # noqa: F401
 
 
 def _worker_main(folder: str) -> int:

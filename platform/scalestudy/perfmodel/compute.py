@@ -60,9 +60,10 @@ SCORE_PASSES = 7  # see the module doc (unfused attention)
 # Modules whose forward runs (ZeRO-3 hooks every one of them, with parameters or not), counted on the
 # HF models: per Llama block the block, attention, q, k, v, o, MLP, gate, up, down, SiLU and two
 # RMSNorms; outside them the causal LM, the model, embedding, rotary embedding, final norm and LM head.
-# Per GPT-2 block the block, two LayerNorms, attention, its two Conv1D, MLP, its two Conv1D, GeLU
-# and two dropouts; outside them the LM, model, two embeddings, dropout, final norm and LM head.
-MODULES_PER_LAYER = {"llama": 13, "gpt": 12}
+# Per GPT block (HF's OPT classes, model_factory.py) the block, attention, q, k, v, out, GeLU, two
+# LayerNorms, fc1 and fc2; outside them the causal LM, the model, the decoder, two embeddings
+# (tokens, positions), final norm and LM head.
+MODULES_PER_LAYER = {"llama": 13, "gpt": 11}
 MODULES_OUTSIDE_LAYERS = {"llama": 6, "gpt": 7}
 ADAM_BYTES_PER_PARAM = {Precision.fp32: 28.0, Precision.bf16: 36.0, Precision.fp16: 36.0}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 _HERE = Path(__file__).parent
 
@@ -37,6 +37,14 @@ class ModelDims(BaseModel):
     ffn_hidden_size: PositiveInt | None = None  # None: 4h (gpt) or Llama's 8/3 h rounded to 256
     vocab_size: PositiveInt = 32000
     max_seq_len: PositiveInt = 4096
+
+    @model_validator(mode="after")
+    def _gpt_is_multi_head(self) -> "ModelDims":
+        # The gpt blocks are built as Hugging Face's OPT (train/model_factory.py), which has no GQA.
+        if self.architecture == "gpt" and self.num_kv_heads not in (None, self.num_heads):
+            raise ValueError(f"num_kv_heads {self.num_kv_heads}: gpt blocks use multi-head attention; "
+                             f"set it to num_heads ({self.num_heads}) or leave it out")
+        return self
 
     @property
     def kv_heads(self) -> int:

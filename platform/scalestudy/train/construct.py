@@ -46,9 +46,9 @@ def model_class(dims: ModelDims) -> type:
         from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
         return LlamaForCausalLM
-    from transformers.models.gpt2.modeling_gpt2 import GPT2LMHeadModel
+    from transformers.models.opt.modeling_opt import OPTForCausalLM
 
-    return GPT2LMHeadModel
+    return OPTForCausalLM  # the "gpt" blocks (model_factory.hf_config says why OPT)
 
 
 @contextmanager

@@ -43,7 +43,7 @@ DEEPSPEED_GLOBALS = {
 }
 # What zero.Init replaces outside nn.Module subclasses: (owner, attribute).
 TORCH_PATCHED = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
-MODEL_MODULES = ("transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2")
+MODEL_MODULES = ("transformers.models.llama.modeling_llama", "transformers.models.opt.modeling_opt")
 CLASS_ATTRS = ("__init__", "_apply")
 ZERO_INIT_LEFTOVERS = ("_old_init", "_old_apply_of_skip_init_hook")
 _MISSING = object()
