@@ -204,7 +204,7 @@ def profile_from(base: HardwareProfile, alone: dict[str, Any], shared: dict[str,
     cal: dict[str, Any] = dict(data.get("calibration") or {})
     cal["gemm_tflops_bf16"] = alone["gemm"]
     # MFU stays a share of the datasheet peak (the paper's definition; the H200 check first reported
-    # 0.35 against the measured best GEMM where the catalogue peak gives 0.28): the best GEMM
+    # 0.35 against the measured best GEMM where the datasheet peak gives 0.27): the best GEMM
     # measured is an efficiency of that peak. The model prices GEMMs from the curve either way.
     best = max(c[1] for c in alone["gemm"])
     data["peak_tflops"]["bf16"] = max(data["peak_tflops"]["bf16"], best)
