@@ -18,7 +18,10 @@ from tests.integration.local_cluster import BIN, alive_nodes, leftover_processes
 pytestmark = pytest.mark.slow
 
 NODE = {"CPU": 1, "fake_single": 1, "accelerator_type:fake-A": 1}
-MEASURE = 60
+# Long enough that the node's loss lands inside the timed window: with 60 steps of ~0.03 s and a
+# checkpoint every 5, the clean-clone run of 2026-12-04 finished all 60 steps at world 2 before the
+# loss was noticed (restarts 0). 400 steps leave ~10 s after the second checkpoint (step 40).
+MEASURE = 400
 STUDY = f"""
 name: shrink
 model: llama2-tiny
@@ -27,7 +30,7 @@ world_size: 2
 micro_batch: 1
 global_batch: 2
 elastic: {{min_workers: 1, max_workers: 2, resize_check_s: 3600}}
-fault_tolerance: {{max_failures: 2, checkpoint_every: 5}}
+fault_tolerance: {{max_failures: 2, checkpoint_every: 20}}
 steps: {{warmup: 2, measure: {MEASURE}, profile: 0}}
 tracking: {{mlflow_uri: null}}
 """
