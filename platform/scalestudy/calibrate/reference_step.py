@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 
 from scalestudy.perfmodel.params import params_for
 from scalestudy.perfmodel.predict import simulate
-from scalestudy.spec import catalog
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.spec.load import validate_spec
-from scalestudy.spec.study import TrialConfig, expand
+from scalestudy.spec.study import TrialConfig, expand, resolve_hardware
 
 REFERENCE = {"model": "llama2-calib", "micro_batch": 2, "seq_len": 192, "zero_stage": 0}
 # On a GPU the CPU reference (384 tokens a step) is all kernel launches: measured on an H200
@@ -50,9 +48,7 @@ def reference_config(precision: str, world_size: int, hardware: str = "cpu-local
                      zero_stage: int = 0) -> TrialConfig:
     """The reference trial on ``hardware`` (a catalogue name or profile path): the GPU shape on GPU
     profiles, the CPU one otherwise."""
-    profile = (catalog.get_hardware(hardware) if hardware in catalog.hardware_names()
-               else catalog.load_hardware_file(Path(hardware)))
-    shape = REFERENCE_GPU if profile.kind == "gpu" else REFERENCE
+    shape = REFERENCE_GPU if resolve_hardware(hardware).kind == "gpu" else REFERENCE
     spec = validate_spec({"name": "calibrate-reference", "hardware": hardware, "precision": precision,
                           "world_size": world_size, **shape, "zero_stage": zero_stage})
     return expand(spec)[0].config

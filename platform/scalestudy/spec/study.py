@@ -150,7 +150,7 @@ class StudySpec(BaseModel):
     @classmethod
     def _resolve_hardware(cls, v: list, info) -> list[HardwareProfile]:
         spec_dir = info.data.get("spec_dir")
-        return [_resolve_hardware(x, spec_dir) for x in _as_list(v)]
+        return [resolve_hardware(x, spec_dir) for x in _as_list(v)]
 
     @property
     def experiment(self) -> str:
@@ -185,7 +185,8 @@ def _resolve_model(x: Any) -> NamedModel:
     raise ValueError("must be a catalogue name or a mapping of dims")
 
 
-def _resolve_hardware(x: Any, spec_dir: Path | None) -> HardwareProfile:
+def resolve_hardware(x: Any, spec_dir: Path | None = None) -> HardwareProfile:
+    """A catalogue name, a profile YAML path (also relative to the spec's folder) or a profile."""
     if isinstance(x, HardwareProfile):
         return x
     if not isinstance(x, str):
