@@ -1,8 +1,8 @@
 """Warm worker groups (train/warm.py): trials that share worker processes measure what cold ones do.
 
 A trial after others on the same warm group trains exactly as it does cold (losses to 1e-6 in
-fp32), its peak memory is its own, a failing trial takes its group down without touching the next
-trial, and `workers: {reuse: false}` gives every trial a cold Ray Train worker group."""
+fp32), its peak memory is its own, a failing trial or one past its time limit takes its group down
+without touching the next trial, and `workers: {reuse: false}` gives every trial a cold Ray Train worker group."""
 
 from __future__ import annotations
 
@@ -65,11 +65,12 @@ def test_small_trial_after_a_large_one_reports_its_own_peak(ray_session):
         before.peak_memory_gib, big.peak_memory_gib, after.peak_memory_gib)
 
 
-def _sweep(tmp_path, monkeypatch, name: str, extra: str, fault: str | None = None):
+def _sweep(tmp_path, monkeypatch, name: str, extra: str, fault: str | None = None,
+           model: str = "llama2-tiny"):
     spec_path = tmp_path / f"{name}.yaml"
     spec_path.write_text(f"""
 name: {name}
-model: llama2-tiny
+model: {model}
 hardware: cpu-local
 world_size: 1
 precision: fp32
@@ -114,3 +115,24 @@ def test_reuse_false_starts_every_trial_cold(ray_session, tmp_path, monkeypatch)
     for r in outcome.results:
         assert "worker_group" not in r.extra
         assert {"imported", "process_group"} <= set(r.extra["timing"])  # a process of its own
+
+
+def test_trial_past_its_limit_ends_its_group_and_the_next_trial_runs(ray_session, tmp_path,
+                                                                     monkeypatch):
+    """Every trial warm, so Tune reuses one trainable actor for all of them: the first trial (a
+    wider model at 16k tokens a step: 55 s alone on the 2-core development machine) runs past
+    placement_timeout_s + trial_timeout_s (25 s); its group is killed, and the next trial, in the same trainable actor, starts
+    a fresh group and completes."""
+    outcome = _sweep(tmp_path, monkeypatch, "warmlimit",
+                     "seq_len: 512\nmicro_batch: 32\ntrial_timeout_s: 18\nplacement_timeout_s: 7",
+                     model="[llama2-small, llama2-tiny]")
+    by_model = {r.model: r for r in outcome.results}
+    slow, quick = by_model["llama2-small"], by_model["llama2-tiny"]
+    assert slow.status is Status.timeout, (slow.status, slow.reason)
+    assert "exceeded placement_timeout_s + trial_timeout_s" in slow.reason, slow.reason
+    assert quick.status is Status.completed, (quick.status, quick.reason)
+    assert quick.extra["worker_group"]["trials_before"] == 0  # a fresh group, not the killed one
+    print(f"\nquick trial {quick.wall_time_s:.1f} s of its 25; the slow one stopped at "
+          f"{slow.wall_time_s:.1f} s")
+    assert sorted(r["model"] for r in Ledger(outcome.ledger).rows()) == ["llama2-small",
+                                                                         "llama2-tiny"]

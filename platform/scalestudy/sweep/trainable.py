@@ -55,14 +55,17 @@ def trial_trainable(
         # it gets the same sum: its run is trial_timeout_s at most once its group is up.
         limit_s = cfg.placement_timeout_s + cfg.trial_timeout_s + (0 if warm else BACKSTOP_S)
         worker.join(limit_s)
-        if worker.is_alive() and warm:
+        # Decided before the abandon below: killing a warm group makes the trial's thread end
+        # with "actor died", which is the consequence of the timeout, not the trial's outcome.
+        timed_out = worker.is_alive()
+        if timed_out and warm:
             warm.abandon()  # its workers belong to the sweep's pool, not to this actor
-        if worker.is_alive() or "r" not in box:
+        if timed_out or "r" not in box:
             result = TrialResult.from_config(
                 cfg, Status.timeout, wall_time_s=time.time() - t0,
                 reason=("exceeded placement_timeout_s + trial_timeout_s "
                         f"({cfg.placement_timeout_s:g} + {cfg.trial_timeout_s:g} s)")
-                if worker.is_alive() else "trial thread ended without a result",
+                if timed_out else "trial thread ended without a result",
             )
         else:
             result = box["r"]
