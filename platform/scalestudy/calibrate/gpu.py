@@ -217,6 +217,8 @@ def profile_from(base: HardwareProfile, alone: dict[str, Any], shared: dict[str,
             cal[f"busbw_gbps_{op}"] = curve
         data["nvlink_gbps_per_gpu"] = max(c[1] for c in shared["comm"]["all_reduce"])
         cal["calibration_world_size"] = float(world)
+    # The profile describes this platform's trials, whose TP is DeepSpeed AutoTP's (params.py).
+    cal["tp_all_reduce_per_linear"] = 1.0
     data["calibration"] = cal
     data["name"] = f"{base.name}-calibrated"
     data["description"] = (f"{base.description} (calibrated on this machine "

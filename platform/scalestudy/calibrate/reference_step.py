@@ -13,7 +13,10 @@ price one by one, so calibrate measures both where they happen:
     and backward (compute.py) at which the model's step time equals the measured median step;
   * every worker of the node at once, data parallel (the multi-worker run): shared_node_slowdown
     likewise, with in_step_slowdown fixed and the gradient all-reduce priced from the collectives'
-    benchmarks of the same run.
+    benchmarks of the same run;
+  * the same workers with the model AutoTP-sharded over them (tp = world): tp_collective_overhead_s,
+    per TP all-reduce, with both factors above fixed. Each of a step's many TP all-reduces waits for
+    the slower rank to arrive, which a lock-step benchmark never does.
 
 The reference is llama2-calib (a catalogue model kept for calibration alone) at ZeRO stage 0,
 micro-batch 2 x 192 tokens (384 per micro-batch). No scored CPU study shares its model, sequence
@@ -45,33 +48,36 @@ OVERHEAD_RANGE_S = (0.0, 0.01)  # per ZeRO-3 module run; 10 ms only bounds the s
 
 
 def reference_config(precision: str, world_size: int, hardware: str = "cpu-local",
-                     zero_stage: int = 0) -> TrialConfig:
+                     zero_stage: int = 0, tp: int = 1) -> TrialConfig:
     """The reference trial on ``hardware`` (a catalogue name or profile path): the GPU shape on GPU
     profiles, the CPU one otherwise."""
     shape = REFERENCE_GPU if resolve_hardware(hardware).kind == "gpu" else REFERENCE
     spec = validate_spec({"name": "calibrate-reference", "hardware": hardware, "precision": precision,
-                          "world_size": world_size, **shape, "zero_stage": zero_stage})
+                          "world_size": world_size, **shape, "zero_stage": zero_stage, "tp": tp})
     return expand(spec)[0].config
 
 
-def measure_step_s(precision: str, steps: int) -> float:
+def measure_step_s(precision: str, steps: int, tp: int = 1) -> float:
     """Seconds of a real training step of the reference on every rank of the current process group
     at once, taken as trials take theirs: the trial's data, the slowest rank's time of each step,
-    the median over steps. A FIXED number of steps: every rank must issue the same collectives."""
+    the median over steps. A FIXED number of steps: every rank must issue the same collectives.
+    With tp > 1 the model is AutoTP-sharded as a trial's is (train/construct.py)."""
     import deepspeed
     import torch
     import torch.distributed as dist
 
     from scalestudy.parallel.deepspeed_config import deepspeed_config
     from scalestudy.train.data import global_batch
+    from scalestudy.train.construct import build_trial_model
     from scalestudy.train.model_factory import build_model
 
-    cfg = reference_config(precision, dist.get_world_size())
-    layout = cfg.layout
+    cfg = reference_config(precision, dist.get_world_size(), tp=tp)
+    layout, ds_config = cfg.layout, deepspeed_config(cfg)
     rows = layout.batch_rows(0, layout.coords(dist.get_rank())[0])
-    model = build_model(cfg.model_dims, cfg.seed)
+    model = (build_trial_model(cfg, ds_config, torch.device("cpu")) if tp > 1
+             else build_model(cfg.model_dims, cfg.seed))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=deepspeed_config(cfg))
+                                      config=ds_config)
     times = []
     for step in range(WARMUP_STEPS + steps):
         t = time.perf_counter()
@@ -108,14 +114,17 @@ def solve_factor(cfg: TrialConfig, name: str, measured_s: float, span: tuple[flo
 
 def factors(profile: HardwareProfile, base: str, alone_s: dict[str, float],
             shared_s: dict[str, float] | None = None, world: int = 1,
-            zero3_alone_s: dict[str, float] | None = None) -> dict[str, float]:
+            zero3_alone_s: dict[str, float] | None = None,
+            tp_s: dict[str, float] | None = None) -> dict[str, float]:
     """in_step_slowdown, and shared_node_slowdown when a `world`-worker run measured the reference
     too, from the measured steps ({precision: seconds}) against `profile` (the microbenchmarks'
     profile, built on the catalogue profile `base`). With the reference also measured at ZeRO
     stage 3 on one device (GPU calibration), zero3_module_overhead_s: what stage 3 adds per module
-    run at a world size of one, where it has nothing to communicate."""
-    def on(precision: str, world_size: int, zero_stage: int = 0) -> TrialConfig:
-        cfg = reference_config(precision, world_size, hardware=base, zero_stage=zero_stage)
+    run at a world size of one, where it has nothing to communicate. With the reference measured
+    at tp = world on the same ranks (CPU calibration), tp_collective_overhead_s: what each TP
+    all-reduce costs inside the step beyond its benchmarked time, the other factors fixed."""
+    def on(precision: str, world_size: int, zero_stage: int = 0, tp: int = 1) -> TrialConfig:
+        cfg = reference_config(precision, world_size, hardware=base, zero_stage=zero_stage, tp=tp)
         return cfg.model_copy(update={"hardware_profile": profile, "hardware": profile.name})
 
     out = {"in_step_slowdown": statistics.median(
@@ -127,4 +136,8 @@ def factors(profile: HardwareProfile, base: str, alone_s: dict[str, float],
     if shared_s and world > 1:
         out["shared_node_slowdown"] = statistics.median(
             solve_factor(on(p, world), "shared_node_slowdown", s, **out) for p, s in shared_s.items())
+    if tp_s and world > 1:
+        out["tp_collective_overhead_s"] = statistics.median(
+            solve_factor(on(p, world, tp=world), "tp_collective_overhead_s", s, OVERHEAD_RANGE_S,
+                         **out) for p, s in tp_s.items())
     return out

@@ -24,7 +24,9 @@ What is measured, and which performance-model figure it replaces (perfmodel/para
     the cluster holds (up to 2 here) and the large-message figure as nvlink_gbps_per_gpu.
   * A real DeepSpeed training step of a reference shape, alone and on every worker at once:
     in_step_slowdown and shared_node_slowdown, the factors at which the model built from everything
-    above reproduces those steps (calibrate/reference_step.py says why the parts do not add up).
+    above reproduces those steps (calibrate/reference_step.py says why the parts do not add up);
+    and the same step AutoTP-sharded over every worker (tp = world): tp_collective_overhead_s, what
+    each TP all-reduce costs inside a step beyond its lock-step benchmark.
   * Power: only where a meter exists (NVML); none on this machine, so the catalogue figures stay.
 Without Ray: calibrate/local.py runs the same benchmarks() in plain processes (`scalestudy calibrate
 --local`). Only the precisions asked for are benchmarked (default: the one `auto` resolves to here):
@@ -104,6 +106,11 @@ def benchmarks(config: dict[str, Any]) -> dict[str, Any]:
         p: say(f"reference step {p} on {world} rank(s)",
                lambda p=p: reference_step.measure_step_s(p, steps=10 if quick else 20))
         for p in precisions}
+    if world > 1:  # the same step with its model AutoTP-sharded over these ranks
+        res["reference_step_tp_s"] = {
+            p: say(f"reference step {p} at tp {world}",
+                   lambda p=p: reference_step.measure_step_s(p, steps=10 if quick else 20, tp=world))
+            for p in precisions}
     return res
 
 
@@ -195,6 +202,10 @@ def build_profile(base: HardwareProfile, alone: dict, shared: dict | None,
         cal[f"reference_step_s_{prec}_ws1"] = step_s
     for prec, step_s in (shared["reference_step_s"] if shared else {}).items():
         cal[f"reference_step_s_{prec}_ws{shared['world_size']}"] = step_s
+    for prec, step_s in (shared.get("reference_step_tp_s", {}) if shared else {}).items():
+        cal[f"reference_step_s_{prec}_ws{shared['world_size']}_tp{shared['world_size']}"] = step_s
+    # The profile describes this platform's trials, whose TP is DeepSpeed AutoTP's (params.py).
+    cal["tp_all_reduce_per_linear"] = 1.0
     data["calibration"] = cal
     data["name"] = name or base.name
     data["description"] = (f"{base.description} (calibrated "
@@ -202,7 +213,8 @@ def build_profile(base: HardwareProfile, alone: dict, shared: dict | None,
     # The step-level factors last: they are solved against the profile of everything above.
     cal.update(reference_step.factors(
         HardwareProfile(**data), base.name, alone["reference_step_s"],
-        shared["reference_step_s"] if shared else None, shared["world_size"] if shared else 1))
+        shared["reference_step_s"] if shared else None, shared["world_size"] if shared else 1,
+        tp_s=shared.get("reference_step_tp_s") if shared else None))
     return HardwareProfile(**data)
 
 

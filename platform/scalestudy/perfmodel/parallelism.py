@@ -21,7 +21,8 @@ m = gradient-accumulation micro-batches, T = tokens per micro-batch):
   * TP (Megatron, no sequence parallelism): two all_reduces of T*h activations per block in forward
     (after attention and after the MLP) and two in backward, plus two more per block when checkpointed
     activations are recomputed (times params.recompute_fraction for selective schemes). They sit on
-    the critical path: nothing overlaps them.
+    the critical path: nothing overlaps them. DeepSpeed AutoTP (params.tp_all_reduce_per_linear)
+    all-reduces in backward once per column-parallel Linear instead (COLUMN_PARALLEL_LINEARS).
   * PP (1F1B): one send/recv of T*h activations forward and one of their gradients backward per
     micro-batch per stage boundary (Megatron's scatter/gather split sends 1/tp of it per tp rank);
     the interleaved schedule crosses V boundaries per rank (params.pipeline_virtual_stages).
@@ -38,6 +39,11 @@ from scalestudy.perfmodel import network as net
 from scalestudy.perfmodel import zero3 as z3
 from scalestudy.perfmodel.compute import ComputeTimes
 from scalestudy.perfmodel.memory import params_per_device
+
+# Column-parallel Linears per block as AutoTP shards the Hugging Face modules (HF Llama: q, k, v,
+# gate, up; the "gpt" blocks are built as HF OPT: q, k, v, fc1): each all-reduces its input's
+# gradient in backward under DeepSpeed AutoTP.
+COLUMN_PARALLEL_LINEARS = {"llama": 5, "gpt": 4}
 from scalestudy.perfmodel.params import ModelParams
 from scalestudy.spec.catalog import ModelDims, Precision
 from scalestudy.spec.study import TrialConfig
@@ -84,8 +90,8 @@ def communication(cfg: TrialConfig, p: ModelParams) -> list[Comm]:
     out: list[Comm] = []
 
     def add(kind: str, phase: str, calls: float, size: float, group: net.Group,
-            chunk_calls: float = 0.0, name: str = "dp") -> None:
-        t = net.collective_time(kind, size, group, hw, p)
+            chunk_calls: float = 0.0, name: str = "dp", extra_s: float = 0.0) -> None:
+        t = net.collective_time(kind, size, group, hw, p) + extra_s
         if calls > 0 and t > 0:
             floor = net.link_floor_s(kind, size, group, hw)
             out.append(Comm(kind, phase, calls, size, t, chunk_calls * t, name, floor))
@@ -109,8 +115,10 @@ def communication(cfg: TrialConfig, p: ModelParams) -> list[Comm]:
                 add(net.ALL_GATHER, AFTER_STEP, 1, held * w, dp_g)
     if cfg.tp > 1:
         act = cfg.micro_batch * cfg.seq_len * dims.hidden_size * cfg.precision.bytes
-        per_layer = 4 + (2 * p.recompute_fraction if cfg.activation_checkpointing else 0)
-        add(net.ALL_REDUCE, BLOCKING, m * layers * per_layer, act, tp_g, name="tp")
+        backward = COLUMN_PARALLEL_LINEARS[dims.architecture] if p.tp_all_reduce_per_linear else 2
+        per_layer = 2 + backward + (2 * p.recompute_fraction if cfg.activation_checkpointing else 0)
+        add(net.ALL_REDUCE, BLOCKING, m * layers * per_layer, act, tp_g, name="tp",
+            extra_s=p.tp_collective_overhead_s)
     if cfg.pp > 1:
         act = cfg.micro_batch * cfg.seq_len * dims.hidden_size * cfg.precision.bytes / cfg.tp
         crosses = cfg.tp * cfg.pp > g  # some stage boundary leaves the node

@@ -83,6 +83,22 @@ class ModelParams(BaseModel):
     # memory model keeps full checkpointing's activations (a lower bound). Only read when the trial
     # checkpoints.
     recompute_fraction: float = Field(1.0, gt=0, le=1)
+    # How tensor parallelism all-reduces in backward. False: Megatron's f operator, one all-reduce
+    # of the input's gradient per attention and per MLP (Shoeybi et al. 2019, fig. 3; torchtitan's
+    # PrepareModuleInput does the same), what every published TP row ran. True: DeepSpeed AutoTP,
+    # which this platform's trials run: every column-parallel Linear (HF Llama's q, k, v, gate, up;
+    # OPT's q, k, v, fc1) all-reduces its own input gradient (module_inject/layers.py: LinearLayer
+    # -> ColumnParallel.backward, DeepSpeed 0.19.8), blocking unless tp_overlap_comm is set. Profiles
+    # `scalestudy calibrate` writes set it: they describe this platform's trials.
+    tp_all_reduce_per_linear: bool = False
+    # Each TP all-reduce inside a step beyond its benchmarked time: it waits for the slowest rank of
+    # its group to arrive (a step has several per block, each a synchronisation point) and, with gloo
+    # on busy cores, for the collective's own threads. Calibrate (CPU) solves it from the reference
+    # step at tp = world against the same step's collectives benchmarked in lock-step; measured
+    # in a tp-2 trial on the 2-core development machine: 39 all-reduces a step of ~0.2 MB each at
+    # 0.08 GB/s busbw, where the lock-step benchmark gives ~0.25 GB/s at that size; calibrate then
+    # solved 2.6 ms per call (2026-12-04). GPUs: 0 (not measured).
+    tp_collective_overhead_s: float = Field(0.0, ge=0)
     # Pipeline chunks per pipeline rank (Megatron's interleaved 1F1B, Narayanan et al. 2021, Sec.
     # 2.2.2): the fill/drain bubble shrinks to (pp - 1) / V micro-batch slots and each micro-batch
     # crosses V times as many stage boundaries. 1: the plain 1F1B schedule.
