@@ -12,7 +12,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tests.integration.local_cluster import BIN, Head, _kill_group, alive_nodes, free_port
+from tests.integration.local_cluster import (
+    BIN, TEARDOWN_GRACE_S, Head, _kill_group, alive_nodes, free_port)
 
 # A fake cluster's profile: cpu-local's figures, with one device per `devices_per_node` custom
 # resource instead of a core, so placement is decided by the test's resources alone.
@@ -42,9 +43,9 @@ class Node:
     proc: subprocess.Popen
     resources: dict[str, float]
 
-    def remove(self) -> None:
+    def remove(self, grace_s: float = 30.0) -> None:
         """Kill the node's raylet and everything on it at once, as a lost machine."""
-        _kill_group(self.proc)
+        _kill_group(self.proc, grace_s)
 
 
 def _start_node(head: Head, resources: dict[str, float], log) -> subprocess.Popen:
@@ -95,6 +96,6 @@ def worker_nodes(head: Head, specs: list[dict[str, float]], log_dir) -> Iterator
         yield [n for n in nodes if n.proc.poll() is None]
     finally:
         for node in nodes:
-            node.remove()
+            node.remove(TEARDOWN_GRACE_S)
         for log in logs:
             log.close()

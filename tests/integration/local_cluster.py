@@ -80,7 +80,7 @@ def local_head(num_cpus: int, dashboard: bool = False, autoscaling: dict | None 
             time.sleep(1)
         yield Head(gcs, f"http://127.0.0.1:{dash}", temp_dir, {**env, "RAY_ADDRESS": gcs})
     finally:
-        _kill_group(proc)
+        _kill_group(proc, TEARDOWN_GRACE_S)
         log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
@@ -112,11 +112,17 @@ def set_node_types(head: Head, worker_types: dict, head_cpus: int) -> None:
     (head.temp_dir / AUTOSCALING_FILE).write_text(json.dumps(config))
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+# A test's end: nothing of the cluster is kept, so SIGTERM's graceful shutdown buys nothing; `ray
+# start --block` often sat out a 30 s grace here (about 90 s of `make test`, 2026-12-04).
+TEARDOWN_GRACE_S = 3.0
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM to the group, `grace_s` to exit, then SIGKILL to whatever is left."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
     # Raylets, workers and fake autoscaled nodes all inherited the group: none may outlive the test.

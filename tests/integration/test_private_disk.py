@@ -19,7 +19,7 @@ import pytest
 
 from scalestudy.track.ledger import Ledger, ledger_path
 from tests.conftest import REPO
-from tests.integration.local_cluster import BIN, _kill_group, alive_nodes, local_head
+from tests.integration.local_cluster import BIN, TEARDOWN_GRACE_S, _kill_group, alive_nodes, local_head
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ def private_disk_cluster(tmp_path_factory):
                 time.sleep(1)
             yield head, root, tmp
         finally:
-            _kill_group(node)
+            _kill_group(node, TEARDOWN_GRACE_S)
             log.close()
 
 
