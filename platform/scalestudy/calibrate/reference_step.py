@@ -67,8 +67,8 @@ def measure_step_s(precision: str, steps: int, tp: int = 1) -> float:
     import torch.distributed as dist
 
     from scalestudy.parallel.deepspeed_config import deepspeed_config
-    from scalestudy.train.data import global_batch
     from scalestudy.train.construct import build_trial_model
+    from scalestudy.train.data import global_batch
     from scalestudy.train.model_factory import build_model
 
     cfg = reference_config(precision, dist.get_world_size(), tp=tp)

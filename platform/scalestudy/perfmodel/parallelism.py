@@ -39,14 +39,14 @@ from scalestudy.perfmodel import network as net
 from scalestudy.perfmodel import zero3 as z3
 from scalestudy.perfmodel.compute import ComputeTimes
 from scalestudy.perfmodel.memory import params_per_device
+from scalestudy.perfmodel.params import ModelParams
+from scalestudy.spec.catalog import ModelDims, Precision
+from scalestudy.spec.study import TrialConfig
 
 # Column-parallel Linears per block as AutoTP shards the Hugging Face modules (HF Llama: q, k, v,
 # gate, up; the "gpt" blocks are built as HF OPT: q, k, v, fc1): each all-reduces its input's
 # gradient in backward under DeepSpeed AutoTP.
 COLUMN_PARALLEL_LINEARS = {"llama": 5, "gpt": 4}
-from scalestudy.perfmodel.params import ModelParams
-from scalestudy.spec.catalog import ModelDims, Precision
-from scalestudy.spec.study import TrialConfig
 
 REDUCE_BUCKET_ELEMENTS = 5e8  # DeepSpeed's default reduce_bucket_size
 
