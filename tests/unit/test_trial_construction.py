@@ -1,12 +1,14 @@
 """The pieces of train/construct.py and the DeepSpeed settings that need no process group: parameters
 on meta then materialised (tied weights stay tied, buffers stay real), initial weights that depend on
-(seed, name) only, a ZeRO-3 partition written in DeepSpeed's layout, and the engine settings that are
-set explicitly per device kind."""
+(seed, name) only, a ZeRO-3 partition written in DeepSpeed's layout, AutoTP shards materialised from
+the full initial weights by the layer's own partition function, and the engine settings that are set
+explicitly per device kind."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from scalestudy.parallel.deepspeed_config import deepspeed_config
@@ -52,6 +54,39 @@ def test_tied_weights_stay_tied_through_meta():
     construct.materialise(model, torch.device("cpu"), torch.float32)
     embedding = model.get_input_embeddings().weight
     assert model.lm_head.weight is embedding and model.lm_head.weight.device.type == "cpu"
+
+
+def test_autotp_shards_are_materialised_from_the_full_initial_weights_on_first_move():
+    """A stand-in for AutoTP (the real one needs a TP group: tests/integration/test_construction.py):
+    q_proj's weight cut to its second half of rows on meta, with the partition function and mark that
+    AutoTP's column-parallel layer sets on it, and a gradient hook."""
+    cfg, whole = _built("fp32")
+    with construct.parameters_on_meta():
+        model = construct.model_class(cfg.model_dims)._from_config(construct.hf_config(cfg.model_dims))
+    construct.materialise_when_moved(model, torch.device("cpu"), torch.bfloat16, cfg.seed, 0.02)
+    w = model.model.layers[0].self_attn.q_proj.weight
+    rows = w.shape[0] // 2
+
+    def second_half(params):
+        params[0].data = params[0][rows:].clone()
+
+    w.data = w[rows:]  # meta stays meta, as AutoTP's move() keeps it
+    w._tp_partition, w.tensor_model_parallel = second_half, True
+    seen = []
+    w.register_hook(lambda g: seen.append(g.shape))
+    with pytest.raises(RuntimeError, match="still on the meta device"):
+        construct.check_materialised(model)
+    assert model.to("cpu") is model and "to" not in model.__dict__  # one shot
+    construct.check_materialised(model)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    full = whole.model.layers[0].self_attn.q_proj.weight
+    assert q is not w and q.dtype == torch.bfloat16 and q.tensor_model_parallel
+    assert torch.equal(q, full[rows:].to(torch.bfloat16))
+    for (name, p), (_, ref) in zip(model.named_parameters(), whole.named_parameters()):
+        if "q_proj" not in name or ".0." not in name:
+            assert torch.equal(p, ref.to(torch.bfloat16)), name
+    q.sum().backward()
+    assert seen == [q.shape]
 
 
 def test_partition_written_in_deepspeeds_layout():

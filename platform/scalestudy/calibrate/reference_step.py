@@ -67,7 +67,7 @@ def measure_step_s(precision: str, steps: int, tp: int = 1) -> float:
     import torch.distributed as dist
 
     from scalestudy.parallel.deepspeed_config import deepspeed_config
-    from scalestudy.train.construct import build_trial_model
+    from scalestudy.train.construct import build_trial_model, check_materialised
     from scalestudy.train.data import global_batch
     from scalestudy.train.model_factory import build_model
 
@@ -78,6 +78,7 @@ def measure_step_s(precision: str, steps: int, tp: int = 1) -> float:
              else build_model(cfg.model_dims, cfg.seed))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config)
+    check_materialised(engine.module)
     times = []
     for step in range(WARMUP_STEPS + steps):
         t = time.perf_counter()

@@ -32,7 +32,7 @@ from scalestudy.parallel.deepspeed_config import deepspeed_config
 from scalestudy.parallel.layout import Layout
 from scalestudy.spec.trial import TrialConfig
 from scalestudy.train import resume, segments, timing
-from scalestudy.train.construct import build_trial_model
+from scalestudy.train.construct import build_trial_model, check_materialised
 from scalestudy.train.data import global_batch, stage_window
 from scalestudy.train.process import device_for, sync
 
@@ -112,6 +112,7 @@ def build(cfg: TrialConfig, device: torch.device) -> Trial:
     timing.mark("model_built")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config)
+    check_materialised(engine.module)  # AutoTP's shards are materialised inside initialize
     trial = Trial(cfg, layout, engine, device, dist.get_rank(), ds_config)
     if layout.tp > 1:
         _check_tp_group(trial)

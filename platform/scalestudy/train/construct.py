@@ -5,16 +5,21 @@
 * ZeRO-3: built under ``deepspeed.zero.Init(config_dict_or_path=ds_config)``, which partitions each
   module's parameters as soon as the module is constructed, in the config's dtype on the accelerator:
   a rank holds its 1/world share plus one module's full weights at a time.
-* Other stages (and AutoTP): parameters created on the meta device (buffers such as RoPE's inv_freq
-  stay real: they are small and computed in ``__init__``), then materialised in the training dtype on
-  the trial's device. AutoTP shards inside ``deepspeed.initialize``, so a TP rank still materialises
-  the whole model in the training dtype on its device first: bounded by device memory, not fixed here.
+* Other stages: parameters created on the meta device (buffers such as RoPE's inv_freq stay real:
+  they are small and computed in ``__init__``), then materialised in the training dtype on the
+  trial's device.
+* AutoTP (tp > 1, stages 0-2): the model stays on meta into ``deepspeed.initialize``, which shards it
+  there (AutoTP's layers keep meta tensors meta: module_inject/layers.py, ``move``); the engine's
+  first ``module.to(device)`` (``_configure_distributed_model``, before any optimizer exists) then
+  materialises each rank's shards, and only its shards, in the training dtype. A TP rank never holds
+  the whole model.
 
 Initial weights are a function of (seed, parameter name) only, drawn in fp32 on the device type and
 cast: every stage, world size and TP degree starts from the same weights, so their losses agree
-(tests/integration/test_zero_stages.py); under ZeRO-3 every rank draws each full parameter, one at a
-time, each rank keeping its own partition of them (no collective). Norm weights are 1, biases 0, every
-other weight N(0, initializer_range), Hugging Face's own rule for these models.
+(tests/integration/test_zero_stages.py, test_tensor_parallel.py); under ZeRO-3 and AutoTP every rank
+draws each full parameter, one at a time, and keeps its own partition of it (no collective): ZeRO-3's
+flat piece, or the TP shard cut by the AutoTP layer's own partition function. Norm weights are 1,
+biases 0, every other weight N(0, initializer_range), Hugging Face's own rule for these models.
 """
 
 from __future__ import annotations
@@ -166,9 +171,96 @@ def build_trial_model(cfg: Any, ds_config: dict[str, Any], device: torch.device)
     else:
         with parameters_on_meta():
             model = cls._from_config(config)
-        materialise(model, device, training_dtype(cfg.precision))
-        init_weights(model, cfg.seed, std, zero3)
+        if ds_config.get("tensor_parallel", {}).get("autotp_size", 1) > 1:
+            materialise_when_moved(model, device, training_dtype(cfg.precision), cfg.seed, std)
+        else:
+            materialise(model, device, training_dtype(cfg.precision))
+            init_weights(model, cfg.seed, std, zero3)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
+
+
+def materialise_when_moved(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int,
+                           std: float) -> None:
+    """Leave ``model`` on meta for AutoTP to shard; its next ``.to()`` (the engine's, after the
+    sharding) first materialises every meta parameter as this rank's shard of its initial weights.
+    Names and full shapes are recorded now: sharding keeps each parameter object, not its shape."""
+    before = {id(p): (name, p.shape, owner) for owner_name, owner in model.named_modules()
+              for local, p in owner.named_parameters(recurse=False)
+              for name in [f"{owner_name}.{local}" if owner_name else local]}
+
+    def to(*args: Any, **kwargs: Any) -> nn.Module:
+        del model.to  # one shot: nn.Module.to from here on
+        # On a CPU device each full weight is freed once cut: returned, as for ZeRO-3 above.
+        with freed_tensors_returned() if device.type == "cpu" else nullcontext():
+            materialise_shards(model, device, dtype, seed, std, before)
+        return model.to(*args, **kwargs)
+
+    model.to = to  # an instance attribute: only this model, only once
+
+
+def _shard_values(module: nn.Module, before: dict, device: torch.device, seed: int,
+                  std: float) -> dict[str, torch.Tensor]:
+    """The initial values of an AutoTP layer's weight and bias, cut as the layer cut them: its own
+    ``_tp_partition`` (the call its __init__ made on the full tensors) applied to the full values."""
+    w, b = module._parameters.get("weight"), module._parameters.get("bias")
+    if w is None or not w.is_meta or not callable(getattr(w, "_tp_partition", None)):
+        return {}
+    full = [None if p is None else _full_values(before, p, device, seed, std) for p in (w, b)]
+    w._tp_partition(full)  # in place: each tensor's .data becomes this rank's shard
+    return {k: v for k, v in zip(("weight", "bias"), full) if v is not None}
+
+
+@torch.no_grad()
+def materialise_shards(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int,
+                       std: float, before: dict) -> None:
+    """Every meta parameter -> a real one on ``device`` in ``dtype`` holding this rank's part of its
+    initial weights (module docstring). A new Parameter object (meta tensors cannot take real data),
+    with the attributes AutoTP set on the old one and its gradient hooks; tied ones stay tied."""
+    made: dict[int, nn.Parameter] = {}
+    for module_name, module in model.named_modules():
+        shard = _shard_values(module, before, device, seed, std)
+        for key, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in made:
+                values = shard.get(key)
+                if values is None:
+                    values = _full_values(before, p, device, seed, std)
+                if values.shape != p.shape:
+                    raise RuntimeError(f"{module_name}.{key}: initial values of shape "
+                                       f"{tuple(values.shape)} for a parameter of shape {tuple(p.shape)}")
+                made[id(p)] = _replacement(p, values.to(device=device, dtype=dtype))
+            module._parameters[key] = made[id(p)]
+
+
+def _recorded(before: dict, p: nn.Parameter) -> tuple[str, torch.Size, nn.Module]:
+    """(name, full shape, owning module) of a parameter as built, before AutoTP sharded it."""
+    try:
+        return before[id(p)]
+    except KeyError:
+        raise RuntimeError(f"a meta parameter of shape {tuple(p.shape)} that the build did not "
+                           "create (DeepSpeed replaced it): its initial values are unknown") from None
+
+
+def _full_values(before: dict, p: nn.Parameter, device: torch.device, seed: int,
+                 std: float) -> torch.Tensor:
+    name, shape, owner = _recorded(before, p)
+    return _init_values(shape, device, name, owner, seed, std)
+
+
+def _replacement(old: nn.Parameter, values: torch.Tensor) -> nn.Parameter:
+    new = nn.Parameter(values, requires_grad=old.requires_grad)
+    new.__dict__.update(old.__dict__)  # AutoTP's marks (tensor-parallel, partition functions, ...)
+    for hook in (old._backward_hooks or {}).values():
+        new.register_hook(hook)
+    return new
+
+
+def check_materialised(model: nn.Module) -> None:
+    """Refuse to train a model with a parameter still on meta (a DeepSpeed that never moved it)."""
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            raise RuntimeError(f"parameter {name} is still on the meta device after deepspeed.initialize")
