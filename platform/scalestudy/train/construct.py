@@ -187,9 +187,10 @@ def materialise_when_moved(model: nn.Module, device: torch.device, dtype: torch.
     """Leave ``model`` on meta for AutoTP to shard; its next ``.to()`` (the engine's, after the
     sharding) first materialises every meta parameter as this rank's shard of its initial weights.
     Names and full shapes are recorded now: sharding keeps each parameter object, not its shape."""
-    before = {id(p): (name, p.shape, owner) for owner_name, owner in model.named_modules()
-              for local, p in owner.named_parameters(recurse=False)
-              for name in [f"{owner_name}.{local}" if owner_name else local]}
+    before: dict[int, tuple[str, torch.Size, nn.Module]] = {}
+    for owner_name, owner in model.named_modules():
+        for local, p in owner.named_parameters(recurse=False):
+            before[id(p)] = (f"{owner_name}.{local}" if owner_name else local, p.shape, owner)
 
     def to(*args: Any, **kwargs: Any) -> nn.Module:
         del model.to  # one shot: nn.Module.to from here on
@@ -232,7 +233,7 @@ def materialise_shards(model: nn.Module, device: torch.device, dtype: torch.dtyp
                 if values.shape != p.shape:
                     raise RuntimeError(f"{module_name}.{key}: initial values of shape "
                                        f"{tuple(values.shape)} for a parameter of shape {tuple(p.shape)}")
-                made[id(p)] = _replacement(p, values.to(device=device, dtype=dtype))
+                made[id(p)] = _replacement(p, values.to(dtype))  # drawn on the device
             module._parameters[key] = made[id(p)]
 
 
