@@ -108,7 +108,7 @@ def predict(cfg: TrialConfig, hardware: HardwareProfile | None = None,
         energy_j_estimated=pw.energy_per_step_j * cfg.steps.measure,
         energy_per_token_j_estimated=pw.energy_per_token_j,
         tokens_per_j_estimated=pw.tokens_per_j,
-        missing=dict(_NOT_MODELLED),
+        missing=_NOT_MODELLED,  # validation copies it
         extra={"energy_window_steps": cfg.steps.measure,
                # GPU-only, like power_w_estimated; the node's other power is named apart.
                "total_power_w_estimated": pw.total_power_w,

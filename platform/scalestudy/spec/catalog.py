@@ -6,6 +6,7 @@ Parameter counts are derived from the dimensions so they cannot drift from the a
 from __future__ import annotations
 
 import functools
+import json
 from enum import Enum
 from pathlib import Path
 from typing import Literal
@@ -95,6 +96,10 @@ class ModelDims(BaseModel):
         )
 
 
+# Profile fields that say where a trial runs, not what it measures: left out of trial ids.
+PLACEMENT_FIELDS = frozenset({"accelerator_type", "cpus_per_device", "device_resource"})
+
+
 class HardwareProfile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -124,6 +129,18 @@ class HardwareProfile(BaseModel):
     def peak_flops(self, precision: Precision) -> float:
         return self.peak_tflops[precision] * 1e12
 
+    @functools.cached_property
+    def identity_json(self) -> str:
+        """What the profile measures as canonical JSON (sorted keys, placement fields left out): its
+        part of every trial id. Cached because its calibration curves are most of a trial's hashed
+        payload and one profile object is shared by the trials of a sweep (get_hardware)."""
+        return json.dumps(self.model_dump(mode="json", exclude=set(PLACEMENT_FIELDS)), sort_keys=True)
+
+    def model_copy(self, *, update: dict | None = None, deep: bool = False) -> HardwareProfile:
+        copied = super().model_copy(update=update, deep=deep)
+        copied.__dict__.pop("identity_json", None)  # pydantic copies the instance dict, cache too
+        return copied
+
 
 @functools.cache
 def _load(name: str) -> dict:
@@ -143,7 +160,10 @@ def get_model(name: str) -> ModelDims:
     return ModelDims(**_load("models.yaml")[name])
 
 
+@functools.cache
 def get_hardware(name: str) -> HardwareProfile:
+    """The catalogue's profile of that name: one shared (frozen) object per name, so the trials of
+    a sweep share it and its cached identity_json."""
     return HardwareProfile(name=name, **_load("hardware.yaml")[name])
 
 

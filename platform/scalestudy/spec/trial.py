@@ -83,8 +83,6 @@ _NOT_COLUMNS = frozenset({"model_dims", "hardware_profile", "steps", "fault_tole
 # the axes its name shows.
 _NOT_HASHED = frozenset({"study", "fault_tolerance", "precision_requested", "name_axes",
                          "placement_timeout_s"})
-# Profile fields that say where a trial runs, not what it measures (see HardwareProfile).
-_PLACEMENT_FIELDS = ("accelerator_type", "cpus_per_device", "device_resource")
 
 
 class TrialConfig(BaseModel):
@@ -139,13 +137,20 @@ class TrialConfig(BaseModel):
         """Stable hash of everything that defines what the trial measures (not its study). Cached:
         the config is frozen, and a model sweep asks for it once per column set (model_copy below
         drops the cache, since pydantic copies the instance dict with it)."""
-        payload = self.model_dump(mode="json", exclude=set(_NOT_HASHED))
+        return self._hashed_id(self._dump())
+
+    def _dump(self) -> dict[str, Any]:
+        """Every field but the profile, JSON-ready: the id and the columns are both read from it."""
+        return self.model_dump(mode="json", exclude={"hardware_profile"})
+
+    def _hashed_id(self, dump: dict[str, Any]) -> str:
+        payload = {k: v for k, v in dump.items() if k not in _NOT_HASHED}
         if self.elastic is None:  # elastic bounds change the trial; their absence keeps old ids
             payload.pop("elastic")
-        for field in _PLACEMENT_FIELDS:
-            payload["hardware_profile"].pop(field, None)
-        blob = json.dumps(payload, sort_keys=True).encode()
-        return hashlib.sha1(blob).hexdigest()[:12]
+        # The profile's JSON (placement fields left out) comes cached from the profile, spliced in
+        # where json.dumps(..., sort_keys=True) of the whole payload puts it: the same bytes as ever.
+        blob = _sorted_json_with(payload, "hardware_profile", self.hardware_profile.identity_json)
+        return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
     def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> TrialConfig:
         copied = super().model_copy(update=update, deep=deep)
@@ -158,10 +163,26 @@ class TrialConfig(BaseModel):
 
     def config_fields(self) -> dict[str, Any]:
         """Flat, scalar config columns (what the ledger, MLflow params and tables show)."""
-        d = self.model_dump(mode="json", include=set(config_columns()) - {"trial_id"})
+        d = self._dump()
+        if "trial_id" not in self.__dict__:  # not cached yet: hash the same dump (one, not two)
+            self.__dict__["trial_id"] = self._hashed_id(d)
         d["trial_id"] = self.trial_id
-        d.update({f"steps_{k}": v for k, v in self.steps.model_dump().items()})
+        d.update({f"steps_{k}": v for k, v in d["steps"].items()})
         return {k: d[k] for k in config_columns()}
+
+
+_SPLICE = "\x00spliced\x00"  # placeholder of the spliced value (see _sorted_json_with)
+
+
+def _sorted_json_with(payload: dict[str, Any], key: str, value_json: str) -> str:
+    """json.dumps({**payload, key: value}, sort_keys=True) for a value given as its JSON already:
+    dumped with a placeholder in its place, then the placeholder replaced (one dump is cheaper than
+    two; a payload that happens to hold the placeholder itself is dumped whole instead)."""
+    blob = json.dumps({**payload, key: _SPLICE}, sort_keys=True)
+    mark = json.dumps(_SPLICE)
+    if blob.count(mark) == 1:
+        return blob.replace(mark, value_json)
+    return json.dumps({**payload, key: json.loads(value_json)}, sort_keys=True)
 
 
 def _column_type(annotation: Any) -> Any:
