@@ -275,9 +275,13 @@ def calibrate(
     precision: Annotated[Optional[list[str]], typer.Option(
         "--precision", help="precision to benchmark, repeatable (default: what `auto` resolves to "
         "here, the one studies run at)")] = None,
+    across_nodes: Annotated[int, typer.Option(
+        "--across-nodes", help="then measure the network: collectives over N nodes of the Ray "
+        "cluster, one device each (calibrate/across_nodes.py); 0: keep the profile's figure")] = 0,
 ) -> None:
     """Microbenchmark this Ray cluster, or this machine with --local (GEMM, memory, per-op and
-    per-step costs, collectives) and write a hardware profile that a spec's `hardware:` accepts."""
+    per-step costs, collectives; with --across-nodes, the network between nodes) and write a
+    hardware profile that a spec's `hardware:` accepts."""
     from scalestudy.spec import catalog
 
     if hardware not in catalog.hardware_names():
@@ -285,17 +289,31 @@ def calibrate(
                         f"choose one of {', '.join(catalog.hardware_names())}"))
     if precision and not set(precision) <= {"fp32", "bf16", "fp16"}:
         _fail(SpecError("--precision", precision, "choose from fp32, bf16, fp16"))
+    if across_nodes and (across_nodes < 2 or local):
+        _fail(SpecError("--across-nodes", across_nodes, "give 2 or more nodes of a Ray cluster "
+                        "(without --local), or leave it out"))
     if local:
         from scalestudy.calibrate.local import calibrate_local as run_calibration
     else:
         from scalestudy.calibrate.run import calibrate as run_calibration
     from scalestudy.calibrate.gpu import NoCudaDevice
 
+    from scalestudy.calibrate import across_nodes as nodes
+
     t0 = time.time()
+    base = catalog.get_hardware(hardware)
+    if across_nodes:  # before minutes of device benchmarks: are the nodes there?
+        try:
+            nodes.check_cluster(base, across_nodes)
+        except nodes.TooFewNodes as e:
+            _fail(SpecError("--across-nodes", across_nodes, str(e)))
     try:
-        profile = run_calibration(catalog.get_hardware(hardware), quick=quick, precisions=precision)
+        profile = run_calibration(base, quick=quick, precisions=precision)
     except (NotImplementedError, NoCudaDevice) as e:
         _fail(SpecError("--hardware", hardware, str(e)))
+    if across_nodes:
+        profile = nodes.calibrate_across_nodes(profile, across_nodes, quick=quick)
+        out.print(nodes.summary(profile))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     catalog.write_profile(profile, out_path)
     cal = profile.calibration

@@ -1,17 +1,23 @@
 """Placement on a fake cluster: a head with no CPUs and two worker nodes on this machine, each with
 two device-like custom resources (`fake_device`), one more that stands for a one-device node
 (`fake_single`) and the accelerator type `fake-A`. Trials run through `scalestudy run` against it,
-with hardware profiles that name those resources (fake_nodes.PROFILE)."""
+with hardware profiles that name those resources (fake_nodes.PROFILE); so does the calibration of
+the network between nodes (calibrate/across_nodes.py)."""
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
 import time
 
 import pytest
 
+from scalestudy.calibrate import across_nodes
+from scalestudy.calibrate.run import QUICK_SIZES_BYTES
 from scalestudy.metrics import Status, TrialResult
+from scalestudy.spec.catalog import load_hardware_file
 from scalestudy.spec.load import load_spec
 from scalestudy.spec.study import expand
 from tests.integration.fake_nodes import PROFILE, worker_nodes
@@ -116,3 +122,38 @@ def test_placement_other_accelerator_waits_then_times_out(cluster, tmp_path):
     assert "accelerator_type fake-B" in r.reason and "STRICT_PACK" in r.reason, r.reason
     assert 8 <= r.wall_time_s < 8 + 60 and time.time() - t0 < 8 + 120
     print(f"\nwaited {r.wall_time_s:.1f} s: {r.reason}")
+
+
+def test_calibrate_across_nodes_puts_one_device_on_each_node(cluster, tmp_path):
+    """`calibrate --across-nodes`: the collectives run over one worker per node (gloo between the
+    two fake nodes' processes), and a request for more nodes than hold the device is refused before
+    any benchmark runs."""
+    head, _ = cluster
+    hw_file = tmp_path / "nodes-hw.yaml"
+    hw_file.write_text(PROFILE.format(devices_per_node=2, accelerator_type="fake-A",
+                                      device_resource="fake_device"))
+    code = ("import json, pathlib, sys\n"
+            "from scalestudy.calibrate import across_nodes\n"
+            "from scalestudy.spec.catalog import load_hardware_file\n"
+            "hw = load_hardware_file(pathlib.Path(sys.argv[1]))\n"
+            "print(json.dumps(across_nodes.measure(hw, 2, quick=True)))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(hw_file)], cwd=tmp_path, env=head.env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, (proc.stdout[-2000:], proc.stderr[-3000:])
+    measured = json.loads(lines[-1])
+    assert len(measured["node_ids"]) == 2 and len(set(measured["node_ids"])) == 2, measured
+    for op in across_nodes.OPS:
+        curve = measured["comm"][op]
+        assert [size for size, _ in curve] == [float(s) for s in QUICK_SIZES_BYTES]
+        assert all(math.isfinite(gbps) and gbps > 0 for _, gbps in curve), (op, curve)
+    hw = across_nodes.with_network(load_hardware_file(hw_file), measured)
+    assert hw.network_gbps_per_gpu == max(gbps for _, gbps in measured["comm"]["all_reduce"])
+    print(f"\n{across_nodes.summary(hw)}")
+
+    refused = subprocess.run([str(BIN / "scalestudy"), "calibrate", "--across-nodes", "3", "--quick",
+                              "--out", str(tmp_path / "p.yaml")], cwd=tmp_path, env=head.env,
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, (refused.stdout[-1000:], refused.stderr[-2000:])
+    assert "2 alive node(s)" in refused.stderr and "3 asked for" in refused.stderr, refused.stderr
+    assert "calibrate [" not in refused.stderr and not (tmp_path / "p.yaml").exists()

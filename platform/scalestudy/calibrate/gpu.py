@@ -12,7 +12,8 @@ What is measured, and the profile figure it replaces (perfmodel/params.py, netwo
   * all_reduce / all_gather / reduce_scatter bus bandwidth vs size over NCCL between every local
     GPU (one process per GPU, nccl-tests' method: warm-up, fixed count, median, slowest rank):
     `busbw_gbps_<op>` and the large-message all_reduce figure as nvlink_gbps_per_gpu. Across nodes:
-    not measured here (one machine); the catalogue's network figure stays.
+    not measured here (one machine, no Ray); `scalestudy calibrate --across-nodes N` measures it on a
+    Ray cluster with the same collectives (calibrate/across_nodes.py).
   * The reference DeepSpeed step (calibrate/reference_step.py's GPU shape) on one GPU and on all of
     them: in_step_slowdown and shared_node_slowdown, solved as for CPU profiles; and on one GPU at
     ZeRO stage 3: zero3_module_overhead_s, what stage 3's per-module hooks add where there is nothing
@@ -112,7 +113,7 @@ def attention_rows(shapes: list[tuple[int, int, int, int]]) -> list[list[float]]
     return rows
 
 
-def _comm_curves(world: int, sizes: list[int]) -> dict[str, list[list[float]]]:
+def comm_curves_cuda(world: int, sizes: list[int]) -> dict[str, list[list[float]]]:
     import torch
     import torch.distributed as dist
 
@@ -174,7 +175,7 @@ def _worker(rank: int, world: int, port: int, hardware: str, quick: bool, out: s
         res["attention"] = attention_rows(ATTENTION_SHAPES)
     deepspeed.init_distributed(dist_backend="nccl")
     if world > 1:
-        res["comm"] = _comm_curves(world, QUICK_COMM_SIZES_BYTES if quick else COMM_SIZES_BYTES)
+        res["comm"] = comm_curves_cuda(world, QUICK_COMM_SIZES_BYTES if quick else COMM_SIZES_BYTES)
     steps = 5 if quick else REFERENCE_STEPS
     res["reference_step_s"] = reference_step_s(hardware, world, steps)
     if world == 1:  # stage 3 with nothing to communicate: its hooks' cost alone

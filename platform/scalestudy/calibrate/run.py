@@ -28,6 +28,7 @@ What is measured, and which performance-model figure it replaces (perfmodel/para
     and the same step AutoTP-sharded over every worker (tp = world): tp_collective_overhead_s, what
     each TP all-reduce costs inside a step beyond its lock-step benchmark.
   * Power: only where a meter exists (NVML); none on this machine, so the catalogue figures stay.
+  * The network between nodes, with `--across-nodes N`: calibrate/across_nodes.py, after the above.
 Without Ray: calibrate/local.py runs the same benchmarks() in plain processes (`scalestudy calibrate
 --local`). Only the precisions asked for are benchmarked (default: the one `auto` resolves to here):
 an emulated-bf16 CPU runs bf16 GEMMs tens of times slower than fp32, and a calibration of every
@@ -135,9 +136,7 @@ def calibration_loop(config: dict[str, Any]) -> None:
     """Ray Train worker: benchmarks() in the worker group Ray Train started."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
-    import ray.train
     import torch
-    import torch.distributed as dist
 
     from scalestudy.train.host_memory import retain_freed_memory
 
@@ -145,33 +144,49 @@ def calibration_loop(config: dict[str, Any]) -> None:
 
     torch.set_num_threads(1)  # one core per worker, as in trials
     deepspeed.init_distributed(dist_backend="gloo")
-    res = benchmarks(config)
+    report_result(benchmarks(config), RESULT_FILE)
+
+
+def report_result(res: dict[str, Any], filename: str) -> None:
+    """Rank 0's results as a JSON file in the checkpoint (Ray Train 2.x returns only the metrics
+    that come with one); every rank reports."""
+    import ray.train
+    import torch.distributed as dist
+
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if dist.get_rank() == 0:
-            Path(tmp, RESULT_FILE).write_text(json.dumps(res))
+            Path(tmp, filename).write_text(json.dumps(res))
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
         ray.train.report({"done": 1}, checkpoint=checkpoint)
 
 
-def _fit(world: int, config: dict[str, Any], storage: Path) -> dict[str, Any]:
+def run_group(loop, config: dict[str, Any], scaling: dict[str, Any], storage: Path, name: str,
+              filename: str, backend: str = "gloo") -> dict[str, Any]:
+    """One Ray Train run of `loop` with these ScalingConfig arguments; rank 0's reported JSON."""
     import uuid
 
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     trainer = TorchTrainer(
-        calibration_loop,
+        loop,
         train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 1}),
-        torch_config=TorchConfig(backend="gloo"),
-        run_config=RunConfig(name=f"calibrate-ws{world}-{uuid.uuid4().hex[:6]}",
+        scaling_config=ScalingConfig(**scaling),
+        torch_config=TorchConfig(backend=backend),
+        run_config=RunConfig(name=f"{name}-{uuid.uuid4().hex[:6]}",
                              storage_path=str(storage.resolve()),
                              failure_config=FailureConfig(max_failures=0)),
     )
     result = trainer.fit()
     with result.checkpoint.as_directory() as d:
-        return json.loads((Path(d) / RESULT_FILE).read_text())
+        return json.loads((Path(d) / filename).read_text())
+
+
+def _fit(world: int, config: dict[str, Any], storage: Path) -> dict[str, Any]:
+    return run_group(calibration_loop, config,
+                     {"num_workers": world, "resources_per_worker": {"CPU": 1}}, storage,
+                     f"calibrate-ws{world}", RESULT_FILE)
 
 
 def build_profile(base: HardwareProfile, alone: dict, shared: dict | None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scalestudy.parallel.layout import Layout
+from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.spec.trial import TrialConfig
 
 # The controller polls every worker once per interval. 0.2 s on a small local cluster shortens each
@@ -55,13 +56,20 @@ class Placement:
 
 
 def device_resource(cfg: TrialConfig) -> str:
-    hw = cfg.hardware_profile
+    return profile_device_resource(cfg.hardware_profile)
+
+
+def profile_device_resource(hw: HardwareProfile) -> str:
     return hw.device_resource or ("GPU" if hw.kind == "gpu" else "CPU")
 
 
 def resources_per_worker(cfg: TrialConfig) -> dict[str, float]:
+    return profile_resources(cfg.hardware_profile)
+
+
+def profile_resources(hw: HardwareProfile) -> dict[str, float]:
     """One device and the profile's CPUs beside it (a cpu profile's device is its core)."""
-    hw, device = cfg.hardware_profile, device_resource(cfg)
+    device = profile_device_resource(hw)
     if device == "CPU":
         return {"CPU": hw.cpus_per_device}
     return {device: 1.0, "CPU": hw.cpus_per_device}
