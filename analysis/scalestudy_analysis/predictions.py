@@ -37,6 +37,7 @@ def predicted_twins(df: pd.DataFrame, profile: HardwareProfile | None = None
     from scalestudy.spec.trial import Backend
 
     try:
+        from scalestudy.perfmodel.params import params_for
         from scalestudy.perfmodel.predict import predict
     except ImportError as err:
         return df.iloc[0:0], f"no performance model to compare with ({err})", {}
@@ -54,7 +55,9 @@ def predicted_twins(df: pd.DataFrame, profile: HardwareProfile | None = None
         except (SpecError, ValueError):  # outside the catalogue, or a row of an older schema
             skipped += 1
             continue
-        out.append(predict(cfg.model_copy(update={"backend": Backend.simulate})))
+        # Priced as the measured trial ran: AutoTP, as parallelism.py prices the measure backend.
+        autotp = params_for(cfg.hardware_profile, tp_all_reduce_per_linear=True)
+        out.append(predict(cfg.model_copy(update={"backend": Backend.simulate}), params=autotp))
         used[cfg.hardware] = profile_label(cfg.hardware_profile)
         have.add(key)
     if not out:

@@ -109,3 +109,23 @@ def test_predicted_twins_of_measured_catalogue_trials():
     assert (twin["world_size"], twin["zero_stage"], twin["backend"]) == (8, 3, "simulate")
     again, note = with_predictions(df)  # a configuration that has a prediction gets no second
     assert len(again) == 2 and note is None
+
+
+def test_predicted_twin_of_a_measured_tp_trial_prices_the_autotp_it_ran():
+    """A catalogue GPU profile prices TP as the published Megatron runs did; the twin of a measured
+    trial is priced as that trial ran, with AutoTP's all-reduce per column-parallel Linear."""
+    pytest.importorskip("scalestudy.perfmodel.predict")
+    from scalestudy.perfmodel.params import params_for
+    from scalestudy.perfmodel.predict import predict
+    from scalestudy.spec.trial import Backend, config_from_row
+    from scalestudy_analysis.predictions import with_predictions
+
+    (r,) = synthetic_results(world_sizes=(8,), zero_stages=(1,), tp_pp=((8, 1),))
+    df, _ = with_predictions(results_frame([r]))
+    twin = df[df["source"] == PREDICTED].iloc[0]
+    cfg = config_from_row(r).model_copy(update={"backend": Backend.simulate})
+    megatron = predict(cfg)
+    autotp = predict(cfg, params=params_for(cfg.hardware_profile, tp_all_reduce_per_linear=True))
+    assert autotp.comm["all_reduce"].count > megatron.comm["all_reduce"].count
+    assert twin["tokens_per_s"] == pytest.approx(autotp.tokens_per_s)
+    assert twin["tokens_per_s"] < megatron.tokens_per_s

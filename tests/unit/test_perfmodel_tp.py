@@ -10,6 +10,7 @@ from scalestudy.perfmodel.params import params_for
 from scalestudy.spec import catalog
 from scalestudy.spec.load import validate_spec
 from scalestudy.spec.study import expand
+from scalestudy.spec.trial import Backend
 
 
 def _cfg(model: str, hardware: str = "h100-80gb", **axes):
@@ -39,3 +40,13 @@ def test_profiles_of_this_platforms_trials_price_autotp():
     """cpu-local only ever runs this platform's trials; a published-row GPU profile keeps Megatron."""
     assert params_for(catalog.get_hardware("cpu-local")).tp_all_reduce_per_linear
     assert not params_for(catalog.get_hardware("a100-80gb")).tp_all_reduce_per_linear
+
+
+def test_a_measured_trial_is_priced_as_the_autotp_it_ran():
+    """The TP implementation is how a trial runs, not what the hardware is: a trial of the measure
+    backend ran this platform's AutoTP, so a catalogue GPU profile (Megatron by default) prices its
+    backward all-reduces per column-parallel Linear; a simulated point keeps the profile's choice."""
+    simulated = _cfg("llama2-7b")
+    measured = simulated.model_copy(update={"backend": Backend.measure})
+    assert _tp_calls_per_layer(simulated) == 2 + 2
+    assert _tp_calls_per_layer(measured) == 2 + 5

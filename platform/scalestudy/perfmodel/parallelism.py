@@ -21,8 +21,9 @@ m = gradient-accumulation micro-batches, T = tokens per micro-batch):
   * TP (Megatron, no sequence parallelism): two all_reduces of T*h activations per block in forward
     (after attention and after the MLP) and two in backward, plus two more per block when checkpointed
     activations are recomputed (times params.recompute_fraction for selective schemes). They sit on
-    the critical path: nothing overlaps them. DeepSpeed AutoTP (params.tp_all_reduce_per_linear)
-    all-reduces in backward once per column-parallel Linear instead (COLUMN_PARALLEL_LINEARS).
+    the critical path: nothing overlaps them. DeepSpeed AutoTP (params.tp_all_reduce_per_linear,
+    and every trial of the measure backend: this platform's trials run AutoTP) all-reduces in
+    backward once per column-parallel Linear instead (COLUMN_PARALLEL_LINEARS).
   * PP (1F1B): one send/recv of T*h activations forward and one of their gradients backward per
     micro-batch per stage boundary (Megatron's scatter/gather split sends 1/tp of it per tp rank);
     the interleaved schedule crosses V boundaries per rank (params.pipeline_virtual_stages).
@@ -42,6 +43,7 @@ from scalestudy.perfmodel.memory import params_per_device
 from scalestudy.perfmodel.params import ModelParams
 from scalestudy.spec.catalog import ModelDims, Precision
 from scalestudy.spec.study import TrialConfig
+from scalestudy.spec.trial import Backend
 
 # Column-parallel Linears per block as AutoTP shards the Hugging Face modules (HF Llama: q, k, v,
 # gate, up; the "gpt" blocks are built as HF OPT: q, k, v, fc1): each all-reduces its input's
@@ -115,7 +117,10 @@ def communication(cfg: TrialConfig, p: ModelParams) -> list[Comm]:
                 add(net.ALL_GATHER, AFTER_STEP, 1, held * w, dp_g)
     if cfg.tp > 1:
         act = cfg.micro_batch * cfg.seq_len * dims.hidden_size * cfg.precision.bytes
-        backward = COLUMN_PARALLEL_LINEARS[dims.architecture] if p.tp_all_reduce_per_linear else 2
+        # A measured trial ran this platform's TP, AutoTP, whatever the profile prices by default
+        # (the catalogue's GPU profiles describe the published, Megatron-style runs).
+        autotp = p.tp_all_reduce_per_linear or cfg.backend == Backend.measure
+        backward = COLUMN_PARALLEL_LINEARS[dims.architecture] if autotp else 2
         per_layer = 2 + backward + (2 * p.recompute_fraction if cfg.activation_checkpointing else 0)
         add(net.ALL_REDUCE, BLOCKING, m * layers * per_layer, act, tp_g, name="tp",
             extra_s=p.tp_collective_overhead_s)

@@ -89,7 +89,9 @@ class ModelParams(BaseModel):
     # which this platform's trials run: every column-parallel Linear (HF Llama's q, k, v, gate, up;
     # OPT's q, k, v, fc1) all-reduces its own input gradient (module_inject/layers.py: LinearLayer
     # -> ColumnParallel.backward, DeepSpeed 0.19.8), blocking unless tp_overlap_comm is set. Profiles
-    # `scalestudy calibrate` writes set it: they describe this platform's trials.
+    # `scalestudy calibrate` writes set it: they describe this platform's trials. A trial of the
+    # measure backend is priced as AutoTP whatever this says (parallelism.py), and so is the
+    # predicted twin of one (scalestudy_analysis/predictions.py).
     tp_all_reduce_per_linear: bool = False
     # Each TP all-reduce inside a step beyond its benchmarked time: it waits for the slowest rank of
     # its group to arrive (a step has several per block, each a synchronisation point) and, with gloo
