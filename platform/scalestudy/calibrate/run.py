@@ -37,6 +37,7 @@ precision there took 10 minutes. One progress line per benchmark goes to stderr.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import statistics
@@ -80,7 +81,7 @@ def benchmarks(config: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     world, quick, precisions = dist.get_world_size(), config["quick"], config["precisions"]
-    say = Progress(dist.get_rank() == 0, f"ws{world}")
+    say = Progress(dist.get_rank() == 0, f"ws{world}", config.get("progress"))
     res: dict[str, Any] = {"world_size": world}
     dist.barrier()
     if world == 1:
@@ -116,20 +117,54 @@ def benchmarks(config: dict[str, Any]) -> dict[str, Any]:
 
 
 class Progress:
-    """One line per benchmark on stderr, with its seconds and the run's so far (rank 0 only): a full
-    calibration takes minutes and used to print nothing until its final table."""
+    """One line per benchmark, with its seconds and the run's so far (rank 0 only): a full
+    calibration takes minutes and used to print nothing until its final table. On stderr, or in a
+    Ray Train worker (whose output Ray does not forward) to the driver's relay (_Lines)."""
 
-    def __init__(self, enabled: bool, tag: str):
-        self.enabled, self.tag, self.start = enabled, tag, time.perf_counter()
+    def __init__(self, enabled: bool, tag: str, relay=None):
+        self.enabled, self.tag, self.start, self.relay = enabled, tag, time.perf_counter(), relay
 
     def __call__(self, what: str, fn):
         t = time.perf_counter()
         value = fn()
         if self.enabled:
             now = time.perf_counter()
-            print(f"calibrate [{self.tag}] {what}: {now - t:.1f} s (total {now - self.start:.1f} s)",
-                  file=sys.stderr, flush=True)
+            line = f"calibrate [{self.tag}] {what}: {now - t:.1f} s (total {now - self.start:.1f} s)"
+            if self.relay is not None:
+                self.relay.put.remote(line)
+            else:
+                print(line, file=sys.stderr, flush=True)
         return value
+
+
+class _Lines:
+    """The workers' progress lines until the driver takes them (a Ray actor on the driver's node)."""
+
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+
+    def put(self, line: str) -> None:
+        self._lines.append(line)
+
+    def take(self) -> list[str]:
+        lines, self._lines = self._lines, []
+        return lines
+
+
+def _fit_relaying(trainer, relay) -> Any:
+    """trainer.fit() in a thread while this one prints the relay's lines to stderr as they come."""
+    import ray
+
+    def relay_lines() -> None:
+        for line in ray.get(relay.take.remote()):
+            print(line, file=sys.stderr, flush=True)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fitting = pool.submit(trainer.fit)
+        while not concurrent.futures.wait([fitting], timeout=0.5).done:
+            relay_lines()
+        relay_lines()
+        return fitting.result()
 
 
 def calibration_loop(config: dict[str, Any]) -> None:
@@ -166,19 +201,26 @@ def run_group(loop, config: dict[str, Any], scaling: dict[str, Any], storage: Pa
     """One Ray Train run of `loop` with these ScalingConfig arguments; rank 0's reported JSON."""
     import uuid
 
+    import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    relay = ray.remote(num_cpus=0)(_Lines).options(scheduling_strategy=here).remote()
     trainer = TorchTrainer(
         loop,
-        train_loop_config=config,
+        train_loop_config={**config, "progress": relay},
         scaling_config=ScalingConfig(**scaling),
         torch_config=TorchConfig(backend=backend),
         run_config=RunConfig(name=f"{name}-{uuid.uuid4().hex[:6]}",
                              storage_path=str(storage.resolve()),
                              failure_config=FailureConfig(max_failures=0)),
     )
-    result = trainer.fit()
+    try:
+        result = _fit_relaying(trainer, relay)
+    finally:
+        ray.kill(relay)
     with result.checkpoint.as_directory() as d:
         return json.loads((Path(d) / filename).read_text())
 
