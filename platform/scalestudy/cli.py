@@ -296,9 +296,8 @@ def calibrate(
         from scalestudy.calibrate.local import calibrate_local as run_calibration
     else:
         from scalestudy.calibrate.run import calibrate as run_calibration
-    from scalestudy.calibrate.gpu import NoCudaDevice
-
     from scalestudy.calibrate import across_nodes as nodes
+    from scalestudy.calibrate.gpu import NoCudaDevice
 
     t0 = time.time()
     base = catalog.get_hardware(hardware)
