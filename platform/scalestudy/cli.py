@@ -268,7 +268,8 @@ def predict(
 def calibrate(
     out_path: Annotated[Path, typer.Option("--out", help="profile YAML to write")] = Path(
         "calibrated-cpu-local.yaml"),
-    hardware: Annotated[str, typer.Option(help="catalogue entry the profile starts from")] = "cpu-local",
+    hardware: Annotated[str, typer.Option(help="catalogue entry the profile starts from (with "
+                                          "--network-only also a profile YAML)")] = "cpu-local",
     quick: Annotated[bool, typer.Option("--quick", help="fewer shapes and sizes (tests)")] = False,
     local: Annotated[bool, typer.Option("--local", help="no Ray: this process and one process per "
                                         "core (calibrate/local.py)")] = False,
@@ -278,15 +279,21 @@ def calibrate(
     across_nodes: Annotated[int, typer.Option(
         "--across-nodes", help="then measure the network: collectives over N nodes of the Ray "
         "cluster, one device each (calibrate/across_nodes.py); 0: keep the profile's figure")] = 0,
+    network_only: Annotated[bool, typer.Option(
+        "--network-only", help="with --across-nodes: no device benchmarks, only the network, into "
+        "the --hardware profile (e.g. results/gpu-check/profile.yaml)")] = False,
 ) -> None:
     """Microbenchmark this Ray cluster, or this machine with --local (GEMM, memory, per-op and
     per-step costs, collectives; with --across-nodes, the network between nodes) and write a
     hardware profile that a spec's `hardware:` accepts."""
+    from scalestudy.perfmodel.fit_data import resolve_profile
     from scalestudy.spec import catalog
 
-    if hardware not in catalog.hardware_names():
-        _fail(SpecError("--hardware", hardware,
-                        f"choose one of {', '.join(catalog.hardware_names())}"))
+    if hardware not in catalog.hardware_names() and not (network_only and Path(hardware).is_file()):
+        _fail(SpecError("--hardware", hardware, f"choose one of {', '.join(catalog.hardware_names())}"
+                        " (a profile file only with --network-only)"))
+    if network_only and not across_nodes:
+        _fail(SpecError("--network-only", True, "add --across-nodes N, or leave it out"))
     if precision and not set(precision) <= {"fp32", "bf16", "fp16"}:
         _fail(SpecError("--precision", precision, "choose from fp32, bf16, fp16"))
     if across_nodes and (across_nodes < 2 or local):
@@ -300,14 +307,14 @@ def calibrate(
     from scalestudy.calibrate.gpu import NoCudaDevice
 
     t0 = time.time()
-    base = catalog.get_hardware(hardware)
+    base = resolve_profile(hardware)
     if across_nodes:  # before minutes of device benchmarks: are the nodes there?
         try:
             nodes.check_cluster(base, across_nodes)
         except nodes.TooFewNodes as e:
             _fail(SpecError("--across-nodes", across_nodes, str(e)))
     try:
-        profile = run_calibration(base, quick=quick, precisions=precision)
+        profile = base if network_only else run_calibration(base, quick=quick, precisions=precision)
     except (NotImplementedError, NoCudaDevice) as e:
         _fail(SpecError("--hardware", hardware, str(e)))
     if across_nodes:

@@ -6,7 +6,6 @@ the network between nodes (calibrate/across_nodes.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -125,35 +124,33 @@ def test_placement_other_accelerator_waits_then_times_out(cluster, tmp_path):
 
 
 def test_calibrate_across_nodes_puts_one_device_on_each_node(cluster, tmp_path):
-    """`calibrate --across-nodes`: the collectives run over one worker per node (gloo between the
-    two fake nodes' processes), and a request for more nodes than hold the device is refused before
-    any benchmark runs."""
+    """`calibrate --across-nodes 2 --network-only` into a profile file: the collectives run over one
+    worker per node (gloo between the two fake nodes' processes; with_network refuses a group that
+    shared a node), and a request for more nodes than hold the device is refused before any
+    benchmark runs."""
     head, _ = cluster
-    hw_file = tmp_path / "nodes-hw.yaml"
+    hw_file, out = tmp_path / "nodes-hw.yaml", tmp_path / "nodes-calibrated.yaml"
     hw_file.write_text(PROFILE.format(devices_per_node=2, accelerator_type="fake-A",
                                       device_resource="fake_device"))
-    code = ("import json, pathlib, sys\n"
-            "from scalestudy.calibrate import across_nodes\n"
-            "from scalestudy.spec.catalog import load_hardware_file\n"
-            "hw = load_hardware_file(pathlib.Path(sys.argv[1]))\n"
-            "print(json.dumps(across_nodes.measure(hw, 2, quick=True)))\n")
-    proc = subprocess.run([sys.executable, "-c", code, str(hw_file)], cwd=tmp_path, env=head.env,
-                          capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert lines, (proc.stdout[-2000:], proc.stderr[-3000:])
-    measured = json.loads(lines[-1])
-    assert len(measured["node_ids"]) == 2 and len(set(measured["node_ids"])) == 2, measured
+    cmd = [str(BIN / "scalestudy"), "calibrate", "--hardware", str(hw_file), "--network-only",
+           "--quick", "--out", str(out), "--across-nodes"]
+    proc = subprocess.run(cmd + ["2"], cwd=tmp_path, env=head.env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    hw, base = load_hardware_file(out), load_hardware_file(hw_file)
+    assert hw.calibration["calibration_nodes"] == 2.0
     for op in across_nodes.OPS:
-        curve = measured["comm"][op]
+        curve = hw.calibration[f"across_nodes_busbw_gbps_{op}"]
         assert [size for size, _ in curve] == [float(s) for s in QUICK_SIZES_BYTES]
         assert all(math.isfinite(gbps) and gbps > 0 for _, gbps in curve), (op, curve)
-    hw = across_nodes.with_network(load_hardware_file(hw_file), measured)
-    assert hw.network_gbps_per_gpu == max(gbps for _, gbps in measured["comm"]["all_reduce"])
+    best = max(gbps for _, gbps in hw.calibration["across_nodes_busbw_gbps_all_reduce"])
+    assert hw.network_gbps_per_gpu == best != base.network_gbps_per_gpu
+    assert (hw.peak_tflops, hw.hbm_gbps) == (base.peak_tflops, base.hbm_gbps)  # network only
+    assert "one device each" in proc.stdout
     print(f"\n{across_nodes.summary(hw)}")
 
-    refused = subprocess.run([str(BIN / "scalestudy"), "calibrate", "--across-nodes", "3", "--quick",
-                              "--out", str(tmp_path / "p.yaml")], cwd=tmp_path, env=head.env,
-                             capture_output=True, text=True, timeout=300)
+    refused = subprocess.run(cmd + ["3"], cwd=tmp_path, env=head.env, capture_output=True,
+                             text=True, timeout=300)
     assert refused.returncode == 2, (refused.stdout[-1000:], refused.stderr[-2000:])
     assert "2 alive node(s)" in refused.stderr and "3 asked for" in refused.stderr, refused.stderr
-    assert "calibrate [" not in refused.stderr and not (tmp_path / "p.yaml").exists()
+    assert "Traceback" not in refused.stderr

@@ -80,3 +80,16 @@ def test_cli_refuses_bad_across_nodes_before_any_benchmark(args, tmp_path):
     assert res.exit_code == 2, res.output
     assert "--across-nodes" in res.output and "Traceback" not in res.output
     assert not (tmp_path / "p.yaml").exists()
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--network-only"], "--network-only"),
+    (["--hardware", "{profile}", "--across-nodes", "2"], "--hardware"),  # a file: --network-only
+])
+def test_cli_network_only_needs_across_nodes_and_only_it_takes_a_profile_file(args, field, tmp_path):
+    profile = tmp_path / "some-profile.yaml"
+    catalog.write_profile(catalog.get_hardware("a100-80gb"), profile)
+    args = [a.format(profile=profile) for a in args]
+    res = CliRunner().invoke(app, ["calibrate", "--out", str(tmp_path / "p.yaml"), *args])
+    assert res.exit_code == 2, res.output
+    assert field in res.output and "Traceback" not in res.output
