@@ -154,3 +154,31 @@ def test_calibrate_across_nodes_puts_one_device_on_each_node(cluster, tmp_path):
     assert refused.returncode == 2, (refused.stdout[-1000:], refused.stderr[-2000:])
     assert "2 alive node(s)" in refused.stderr and "3 asked for" in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_helper_actors_live_on_the_drivers_node(cluster, tmp_path):
+    """A trial's channel, the sweep's warm pool and calibrate's relay ask for no resources, which Ray
+    places on a random node, soft affinity or not; on_this_node pins them to the driver's node so
+    that a worker node scaled down or lost does not take them along. Eight bare actors and three
+    warm pools: unpinned, all eleven would land on the head (of three nodes) once in 177,147."""
+    head, _ = cluster
+    code = ("import ray\n"
+            "from scalestudy.train.launch import ensure_ray\n"
+            "from scalestudy.train.placement import on_this_node\n"
+            "from scalestudy.train.warm import warm_pool\n"
+            "ensure_ray()\n"
+            "here = ray.get_runtime_context().get_node_id()\n"
+            "@ray.remote(num_cpus=0)\n"
+            "class Helper:\n"
+            "    def node_id(self):\n"
+            "        return ray.get_runtime_context().get_node_id()\n"
+            "actors = [Helper.options(**on_this_node()).remote() for _ in range(8)]\n"
+            "for a in actors:\n"
+            "    print('PLACED', ray.get(a.node_id.remote()) == here)\n"
+            "for i in range(3):\n"
+            "    with warm_pool(True, f'pin{i}') as name:\n"
+            "        print('PLACED', ray.get(ray.get_actor(name).node_id.remote()) == here)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=head.env,
+                          capture_output=True, text=True, timeout=300)
+    placed = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("PLACED ")]
+    assert placed == ["True"] * 11, (proc.stdout[-2000:], proc.stderr[-3000:])

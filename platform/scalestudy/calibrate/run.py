@@ -204,10 +204,10 @@ def run_group(loop, config: dict[str, Any], scaling: dict[str, Any], storage: Pa
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    relay = ray.remote(num_cpus=0)(_Lines).options(scheduling_strategy=here).remote()
+    from scalestudy.train.placement import on_this_node
+
+    relay = ray.remote(num_cpus=0)(_Lines).options(**on_this_node()).remote()
     trainer = TorchTrainer(
         loop,
         train_loop_config={**config, "progress": relay},

@@ -43,12 +43,12 @@ class TrialChannel:
 
 def open_channel():
     """A fresh channel's handle (pass it to the workers in the train loop config), on the launcher's
-    own node: a node lost mid-trial (elastic shrink) must not take the summary's way back with it."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    own node: a node lost mid-trial (elastic shrink) must not take the summary's way back with it.
+    It was soft-pinned, which Ray does not hold for an actor that asks for no resources: the likely
+    cause of an elastic-shrink test run whose trial failed with "The actor died unexpectedly"."""
+    from scalestudy.train.placement import on_this_node
 
-    here = ray.get_runtime_context().get_node_id()
-    return TrialChannel.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+    return TrialChannel.options(**on_this_node()).remote()
 
 
 def send(channel, summary: dict[str, Any]) -> None:

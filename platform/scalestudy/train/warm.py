@@ -32,6 +32,7 @@ import ray
 
 from scalestudy.metrics import Status, TrialResult
 from scalestudy.spec.trial import TrialConfig
+from scalestudy.train.placement import on_this_node
 from scalestudy.train.result import failure_reason, summarize
 
 POOL_PREFIX = "scalestudy-warm-"
@@ -268,6 +269,10 @@ class WarmPool:
         for g in idle:
             g.kill()
 
+    def node_id(self) -> str:
+        """The Ray node this pool lives on (the driver's: see warm_pool)."""
+        return ray.get_runtime_context().get_node_id()
+
     def shutdown(self) -> None:
         with self.lock:
             groups, self.groups = list(self.groups.values()), {}
@@ -287,7 +292,9 @@ def warm_pool(reuse: bool, sweep_id: str) -> Iterator[str | None]:
     if name is None:
         yield None
         return
-    pool = WarmPool.options(name=name).remote()
+    # On the driver's node: a worker node that the autoscaler scales down or that is lost would
+    # otherwise take the sweep's pool with it (see on_this_node).
+    pool = WarmPool.options(name=name, **on_this_node()).remote()
     try:
         yield name
     finally:
