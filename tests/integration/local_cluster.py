@@ -62,7 +62,12 @@ def local_head(num_cpus: int, dashboard: bool = False, autoscaling: dict | None 
     cmd = [str(BIN / "ray"), "start", "--head", "--block",
            f"--port={port}", f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}",
            f"--include-dashboard={'true' if dashboard else 'false'}",
-           "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--disable-usage-stats"]
+           "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--disable-usage-stats",
+           # The job server submits through the head's dashboard agent, whose HTTP port is fixed at
+           # 52365 by default. Another Ray session on this machine (the suite's own) holds it, and
+           # then the agent stays up without HTTP and never registers: every `ray job submit` gets
+           # "No available agent" (ray/dashboard/agent.py). A free port of its own avoids that.
+           f"--dashboard-agent-listen-port={free_port()}"]
     if autoscaling is not None:
         # What ray.cluster_utils.AutoscalingCluster does, minus its global `ray stop --force`.
         config = temp_dir / AUTOSCALING_FILE

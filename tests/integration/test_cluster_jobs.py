@@ -48,7 +48,8 @@ def test_job_submit_sweep_round_trip(tmp_path):
     results = tmp_path / "results"
     t0 = time.time()
     with local_head(num_cpus=2, dashboard=True) as head:
-        for _ in range(60):  # the job agent comes up a few seconds after the head
+        deadline = time.time() + 60  # the job agent registers a few seconds after the head is up
+        while True:
             submit = subprocess.run(
                 [str(BIN / "ray"), "job", "submit", "--address", head.dashboard_url,
                  "--runtime-env", "cluster/runtime_env.yaml", "--working-dir", ".",
@@ -56,7 +57,7 @@ def test_job_submit_sweep_round_trip(tmp_path):
                  "scalestudy", "sweep", str(spec), "--results-root", str(results),
                  "--max-concurrent", "1"],
                 cwd=REPO, env=head.env, capture_output=True, text=True, timeout=600)
-            if "No available agent" not in submit.stdout + submit.stderr:
+            if "No available agent" not in submit.stdout + submit.stderr or time.time() > deadline:
                 break
             time.sleep(1)
         assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]

@@ -38,7 +38,7 @@ MAPE_BOUND = 0.25
 STEADY_P90 = 1.3
 MIN_TRIALS = 3
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.quiet_machine]
 
 
 @pytest.fixture(scope="module")

@@ -172,6 +172,7 @@ class TrialConfig(BaseModel):
 
 
 _SPLICE = "\x00spliced\x00"  # placeholder of the spliced value (see _sorted_json_with)
+_SPLICE_JSON = json.dumps(_SPLICE)
 
 
 def _sorted_json_with(payload: dict[str, Any], key: str, value_json: str) -> str:
@@ -179,9 +180,8 @@ def _sorted_json_with(payload: dict[str, Any], key: str, value_json: str) -> str
     dumped with a placeholder in its place, then the placeholder replaced (one dump is cheaper than
     two; a payload that happens to hold the placeholder itself is dumped whole instead)."""
     blob = json.dumps({**payload, key: _SPLICE}, sort_keys=True)
-    mark = json.dumps(_SPLICE)
-    if blob.count(mark) == 1:
-        return blob.replace(mark, value_json)
+    if blob.count(_SPLICE_JSON) == 1:
+        return blob.replace(_SPLICE_JSON, value_json)
     return json.dumps({**payload, key: json.loads(value_json)}, sort_keys=True)
 
 
