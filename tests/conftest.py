@@ -22,9 +22,9 @@ def _gpu_visible() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     # Tests that time this machine go first, before the session's Ray and the clusters other tests
-    # start: on 2 cores their background processes took enough CPU from the measured-CPU validation's
-    # calibration to put its bf16 tp-1 trials 28% off in the full suite (CI, 2026-12-05), where the
-    # file alone scored 11%. The sort is stable: everything else keeps its order.
+    # start. Run after them in CI (2026-12-05, 2 cores), the measured-CPU validation's bf16 tp-1
+    # trials came out 28% off, where the file alone scored 11%: their background processes are the
+    # likely cause (not proven). The sort is stable: everything else keeps its order.
     items.sort(key=lambda item: "quiet_machine" not in item.keywords)
     if _gpu_visible():
         return
