@@ -219,8 +219,14 @@ def _alternatives(op: str, n: int, k: int, m: int, nvlink_gbps: float, net_gbps:
 
 def _cost(op: str, size_bytes: float, n: int, k: int, m: int, nvlink_gbps: float, net_gbps: float,
           nvlink_eff: float, net_eff: float, latency_scale: float, net_overhead_s: float) -> float:
-    return min(lat + size_bytes / rate for lat, rate in _alternatives(
-        op, n, k, m, nvlink_gbps, net_gbps, nvlink_eff, net_eff, latency_scale, net_overhead_s))
+    # A plain loop: min() over a generator costs twice as much, and this runs for every collective.
+    best = math.inf
+    for lat, rate in _alternatives(op, n, k, m, nvlink_gbps, net_gbps, nvlink_eff, net_eff,
+                                   latency_scale, net_overhead_s):
+        t = lat + size_bytes / rate
+        if t < best:
+            best = t
+    return best
 
 
 def busbw_gbps(op: str, size_bytes: float, g: Group, hw: HardwareProfile, p: ModelParams) -> float:

@@ -82,7 +82,7 @@ class Unit(NamedTuple):
     reduce_s: float = 0.0  # reduce_scatter issued once this unit's gradients exist
 
 
-@dataclass
+@dataclass(slots=True)  # slots: the simulation reads and writes these fields per unit
 class _State:
     compute_end: float = 0.0
     comm_free: float = 0.0     # the communication stream is free from here (pending reduction aside)
@@ -126,21 +126,37 @@ def _issue_time(s: _State, fetch_t: float, numel: float) -> float:
 def _run_unit(s: _State, u: Unit, prefetch: bool) -> None:
     """One unit on the two streams. Collectives run in the order they were launched: a prefetched
     gather launched before a pending reduction goes ahead of it."""
+    # Conditional expressions rather than max(): this runs for every unit of every simulated block.
     fetch_t = ready = s.compute_end
-    if u.gather_s > 0:
-        issue = _issue_time(s, fetch_t, u.numel) if prefetch else fetch_t
+    compute_s, gather_s, numel, reduce_s = u
+    if gather_s > 0:
+        issue = _issue_time(s, fetch_t, numel) if prefetch else fetch_t
         if s.pending and s.pending[0] <= issue:
             s.commit()
-        s.comm_free = max(s.comm_free, issue) + u.gather_s
-        s.busy += u.gather_s
-        ready = max(ready, s.comm_free)
-    s.compute_end = ready + u.compute_s
-    if u.reduce_s > 0:
+        free = s.comm_free
+        s.comm_free = free = (free if free > issue else issue) + gather_s
+        s.busy += gather_s
+        if free > ready:
+            ready = free
+    else:
+        numel = 0.0
+    end = ready + compute_s
+    if reduce_s > 0:
         s.commit()
-        s.compute_end = max(s.compute_end, s.reduce_end)  # bucket reuse waits for the last reduction
-        s.pending = (s.compute_end, u.reduce_s)
-        s.busy += u.reduce_s
-    s.history.append((fetch_t - s.history_base, u.numel if u.gather_s > 0 else 0.0))
+        if s.reduce_end > end:  # bucket reuse waits for the last reduction
+            end = s.reduce_end
+        s.pending = (end, reduce_s)
+        s.busy += reduce_s
+    s.compute_end = end
+    s.history.append((fetch_t - s.history_base, numel))
+
+
+def _same_period(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    """Two blocks' timings equal to 1e-9 relative (a loop: this runs once per simulated block)."""
+    for x, y in zip(a, b):
+        if abs(x - y) > 1e-9 * max(1e-6, abs(x)):
+            return False
+    return True
 
 
 MAX_SIMULATED_BLOCKS = 8  # transients of the window settle within a few blocks
@@ -157,8 +173,7 @@ def _run_segment(s: _State, units: tuple[Unit, ...], repeat: int, prefetch: bool
         pend = s.pending[0] - s.compute_end if s.pending else 0.0
         sig = (s.compute_end - t0, s.comm_free - s.compute_end, s.reduce_end - s.compute_end,
                pend, s.busy - b0)
-        settled = last is not None and all(abs(a - b) <= 1e-9 * max(1e-6, abs(a))
-                                           for a, b in zip(sig, last))
+        settled = last is not None and _same_period(sig, last)
         if settled or i + 1 >= MAX_SIMULATED_BLOCKS:
             rest = repeat - i - 1
             s.shift(rest * sig[0], rest * sig[4])
