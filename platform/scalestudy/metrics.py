@@ -93,6 +93,8 @@ ALL_TO_ALL = "all_to_all"
 BROADCAST = "broadcast"
 REDUCE = "reduce"
 SEND_RECV = "send_recv"
+# The collectives calibrate benchmarks (busbw_gbps_<kind> curves of a profile), in this order.
+CALIBRATED_COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)
 
 
 def busbw_factor(kind: str, group_size: int) -> float:

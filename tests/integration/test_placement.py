@@ -15,7 +15,7 @@ import pytest
 
 from scalestudy.calibrate import across_nodes
 from scalestudy.calibrate.run import QUICK_SIZES_BYTES
-from scalestudy.metrics import Status, TrialResult
+from scalestudy.metrics import CALIBRATED_COLLECTIVES, Status, TrialResult
 from scalestudy.spec.catalog import load_hardware_file
 from scalestudy.spec.load import load_spec
 from scalestudy.spec.study import expand
@@ -139,7 +139,7 @@ def test_calibrate_across_nodes_puts_one_device_on_each_node(cluster, tmp_path):
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     hw, base = load_hardware_file(out), load_hardware_file(hw_file)
     assert hw.calibration["calibration_nodes"] == 2.0
-    for op in across_nodes.OPS:
+    for op in CALIBRATED_COLLECTIVES:
         curve = hw.calibration[f"across_nodes_busbw_gbps_{op}"]
         assert [size for size, _ in curve] == [float(s) for s in QUICK_SIZES_BYTES]
         assert all(math.isfinite(gbps) and gbps > 0 for _, gbps in curve), (op, curve)

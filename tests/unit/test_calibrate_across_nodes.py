@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from scalestudy.calibrate import across_nodes as an
 from scalestudy.cli import app
+from scalestudy.metrics import CALIBRATED_COLLECTIVES
 from scalestudy.perfmodel import network as net
 from scalestudy.perfmodel.params import params_for
 from scalestudy.spec import catalog
@@ -49,7 +50,7 @@ def _measured(best_gbps: float) -> dict:
     curve = [[float(s), best_gbps * f] for s, f in zip(sizes, (0.2, 0.8, 1.0))]
     return {"world_size": 2, "node_ids": ["a", "b"],
             "comm": {op: [[s, g * (0.9 if op != "all_reduce" else 1.0)] for s, g in curve]
-                     for op in an.OPS}}
+                     for op in CALIBRATED_COLLECTIVES}}
 
 
 def test_the_profile_takes_the_measured_network_and_the_model_prices_it():

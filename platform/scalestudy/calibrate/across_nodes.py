@@ -23,11 +23,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from scalestudy.metrics import CALIBRATED_COLLECTIVES
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.train.placement import profile_device_resource, profile_resources
 
 RESULT_FILE = "across_nodes.json"
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 class TooFewNodes(RuntimeError):
@@ -113,7 +113,7 @@ def with_network(hw: HardwareProfile, measured: dict[str, Any]) -> HardwareProfi
         raise RuntimeError(f"two ranks of the across-nodes group shared a node: {measured['node_ids']}")
     data = hw.model_dump(mode="json")
     cal = dict(data.get("calibration") or {})
-    for op in OPS:
+    for op in CALIBRATED_COLLECTIVES:
         cal[f"across_nodes_busbw_gbps_{op}"] = measured["comm"][op]
     data["network_gbps_per_gpu"] = max(gbps for _, gbps in measured["comm"]["all_reduce"])
     cal["network_efficiency"] = 1.0

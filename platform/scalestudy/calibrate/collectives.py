@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from scalestudy.metrics import busbw_factor
+from scalestudy.metrics import CALIBRATED_COLLECTIVES, busbw_factor
 
 def _collective(op: str, size: int, world: int):
     import deepspeed.comm as dc
@@ -43,7 +43,7 @@ def comm_curves(world: int, sizes: list[int], iters: int = 20) -> dict[str, list
     import torch.distributed as dist
 
     out: dict[str, list[list[float]]] = {}
-    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+    for op in CALIBRATED_COLLECTIVES:
         factor = busbw_factor(op, world)
         curve = []
         for size in sizes:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scalestudy.metrics import busbw_factor
+from scalestudy.metrics import CALIBRATED_COLLECTIVES, busbw_factor
 from scalestudy.spec.catalog import HardwareProfile, get_hardware
 
 # (tokens, K, N): TinyLlama-1.1B / Llama-7B projections and MLPs at 4k-16k tokens, then squares.
@@ -118,7 +118,7 @@ def comm_curves_cuda(world: int, sizes: list[int]) -> dict[str, list[list[float]
     import torch.distributed as dist
 
     out: dict[str, list[list[float]]] = {}
-    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+    for op in CALIBRATED_COLLECTIVES:
         curve = []
         for size in sizes:
             n = max(world, size // 2) // world * world  # bf16 elements, divisible by the world
