@@ -32,12 +32,11 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from scalestudy.measure.devices import NodeDevices, load_nvml, nvml_handles
+from scalestudy.measure.pausable import Pausable
 from scalestudy.measure.rapl import (  # noqa: F401  RaplDomain, counter_delta: re-exported
     POWERCAP_ROOT, RaplDomain, counter_delta, rapl_domains,
 )
@@ -75,7 +74,7 @@ class EnergyReading:
         return SCOPE.get(self.source, self.source)
 
 
-class WindowedMeter:
+class WindowedMeter(Pausable):
     """start / pause / resume / stop bookkeeping; subclasses read their counters in ``_open`` (a
     segment of the window begins) and ``_close`` (it ends, adding its joules to ``self._joules``)."""
 
@@ -115,15 +114,6 @@ class WindowedMeter:
         self._excluded_s += self._seg_t0 - self._paused_at
         self._intervals += 1
         self._paused_at = None
-
-    @contextmanager
-    def excluded(self) -> Iterator[None]:
-        """Cut the enclosed work (a checkpoint save) out of the metered window."""
-        self.pause()
-        try:
-            yield
-        finally:
-            self.resume()
 
     def _finish(self) -> float:
         """Close the last segment; returns the active duration."""

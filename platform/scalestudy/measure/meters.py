@@ -26,8 +26,6 @@ tokens, since the timed steps' tokens are all inside what remains).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +34,7 @@ from scalestudy.measure.devices import NodeDevices
 from scalestudy.measure.energy import (
     NAN, EnergyReading, NoMeter, energy_metrics, node_energy_meter, reduce_energy_across_ranks,
 )
+from scalestudy.measure.pausable import Pausable
 from scalestudy.measure.rapl import POWERCAP_ROOT
 from scalestudy.measure.utilization import node_utilization
 
@@ -65,7 +64,7 @@ class MeterResult:
         return out
 
 
-class TrialMeters:
+class TrialMeters(Pausable):
     """See the module docstring. ``kind`` is the hardware kind ("gpu" or "cpu"); ``energy=False``
     leaves energy unmeasured (NaN, reason given) while utilization is still sampled."""
 
@@ -90,15 +89,6 @@ class TrialMeters:
     def resume(self) -> None:
         self.energy.resume()
         self.utilization.resume()
-
-    @contextmanager
-    def excluded(self) -> Iterator[None]:
-        """Cut the enclosed work (a checkpoint save) out of energy and utilization alike."""
-        self.pause()
-        try:
-            yield
-        finally:
-            self.resume()
 
     def stop(self) -> None:
         self._energy_reading = self.energy.stop()

@@ -22,11 +22,10 @@ from __future__ import annotations
 import resource
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from scalestudy.measure.devices import NodeDevices, load_nvml, nvml_handles
+from scalestudy.measure.pausable import Pausable
 
 NAN = float("nan")
 
@@ -41,23 +40,7 @@ def cpu_utilization(cpu_s: float, wall_s: float) -> float:
     return cpu_s / wall_s if wall_s > 0 else NAN
 
 
-class _Pausable:
-    def pause(self) -> None:
-        raise NotImplementedError
-
-    def resume(self) -> None:
-        raise NotImplementedError
-
-    @contextmanager
-    def excluded(self) -> Iterator[None]:
-        self.pause()
-        try:
-            yield
-        finally:
-            self.resume()
-
-
-class NoUtilization(_Pausable):
+class NoUtilization(Pausable):
     """A rank that does not sample its node: contributes no device to the cross-rank mean."""
 
     def __init__(self, reason: str) -> None:
@@ -76,7 +59,7 @@ class NoUtilization(_Pausable):
         return {}
 
 
-class CpuUtilization(_Pausable):
+class CpuUtilization(Pausable):
     def __init__(self) -> None:
         self._cpu0 = self._t0 = NAN
         self._cpu_s = self._wall_s = 0.0
@@ -97,7 +80,7 @@ class CpuUtilization(_Pausable):
         return {"cpu": cpu_utilization(self._cpu_s, self._wall_s)}
 
 
-class NvmlUtilization(_Pausable):
+class NvmlUtilization(Pausable):
     """Mean of NVML utilization samples per GPU. ``nvml`` is pynvml or a stand-in for tests;
     ``device_uuids`` the GPUs to sample (else ``device_indices`` in NVML numbering, else all)."""
 
