@@ -9,11 +9,16 @@ STAMP  := $(VENV)/.installed
 venv: $(STAMP)
 
 # torch first, pinned to the CPU build available locally: an unpinned resolve of the project's
-# dependencies would pull a multi-GB CUDA wheel.
+# dependencies would pull a multi-GB CUDA wheel. Last, DeepSpeed's CPU shared-memory all-reduce
+# (deepspeed_shm_comm), which DeepSpeed JIT-compiles the first time a process group starts on CPU,
+# once per install (its build is keyed to the venv's path): 26 s on a 2-core AMD EPYC. Built here, so it
+# lands neither in the demo's quick calibration nor in a trial.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[test]"
+	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
+	  || echo "DeepSpeed's CPU comm op did not build now; DeepSpeed tries again in the first CPU process group"
 	touch $(STAMP)
 
 # The report's predicted points come from this machine: a quick calibration (no Ray, under a minute)
