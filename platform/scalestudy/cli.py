@@ -246,7 +246,7 @@ def predict(
     json_: Annotated[bool, typer.Option("--json", help="one TrialResult per line (JSON)")] = False,
 ) -> None:
     """Predict every trial of a spec with the performance model (any backend, any scale)."""
-    from scalestudy.perfmodel.predict import predict_planned
+    from scalestudy.perfmodel.predict import predict_many
     from scalestudy.spec.load import load_spec, plan
     from scalestudy.spec.trial import trial_name
 
@@ -254,7 +254,7 @@ def predict(
         planned = plan(load_spec(spec, set_))
     except SpecError as e:
         _fail(e)
-    results = [predict_planned(p) for p in planned]
+    results = predict_many(planned)
     if json_:
         sys.stdout.write("".join(r.model_dump_json() + "\n" for r in results))
         return

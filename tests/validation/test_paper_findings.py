@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from scalestudy.perfmodel.predict import predict_planned
+from scalestudy.perfmodel.predict import predict_many
 from scalestudy.spec import catalog
 from scalestudy.spec.load import load_spec, plan
 
@@ -20,7 +20,7 @@ STUDIES = ["fsdp_scaling", "model_parallel", "fixed_workload", "hardware_generat
 
 
 def _predict(name: str):
-    return [predict_planned(p) for p in plan(load_spec(PAPER / f"{name}.yaml"))]
+    return predict_many(plan(load_spec(PAPER / f"{name}.yaml")))
 
 
 @pytest.mark.parametrize("name", STUDIES)

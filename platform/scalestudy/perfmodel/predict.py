@@ -3,11 +3,15 @@
 Feasibility first (the memory model); then compute (compute.py), the communication the layout issues
 (parallelism.py, priced by network.py), the schedule that hides part of it (overlap.py) and power
 (power.py). Measured-only fields (losses, measured energy, wall time) stay NaN with a reason.
+predict_many(trials) predicts a batch (a study, a sweep's table) with the cyclic collector paused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
+from collections.abc import Iterable, Iterator
 
 from scalestudy import metrics as M
 from scalestudy.metrics import CollectiveStats, Status, TrialResult
@@ -129,3 +133,31 @@ def predict_planned(planned: PlannedTrial) -> TrialResult:
     except InfeasibleTrial as err:  # a model term that cannot apply (kept typed, never a crash)
         base = {**planned.config.config_fields(), "backend": BACKEND}
         return TrialResult(**base, status=Status.infeasible, reason=str(err))
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, then as it was (on or off).
+
+    Why: a prediction allocates a few hundred small containers, so the collector runs every few
+    predictions and, every few thousand, walks the whole heap (every imported library's objects and
+    the results kept so far) to find cycles that predictions do not make; reference counting frees
+    everything a prediction drops (tests/unit/test_predict_many.py checks that a batch leaves no
+    cyclic garbage). tests/bench/predict_speed.py, 5,120 random configurations, each path in a fresh
+    process, alternating, idle 2-core AMD EPYC: 0.88-0.89 s of CPU paused, 1.01-1.05 s one predict()
+    call at a time with the collector running (1.15x). Process-wide: another thread's cycles wait
+    for the batch's end."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def predict_many(trials: Iterable[PlannedTrial | TrialConfig]) -> list[TrialResult]:
+    """Each trial's predicted result, in order: a planned trial as predict_planned reads it (its
+    infeasibility recorded), a config as predict does. Same results as one call each, faster."""
+    with _cyclic_gc_paused():
+        return [predict_planned(t) if isinstance(t, PlannedTrial) else predict(t) for t in trials]
