@@ -9,9 +9,9 @@ CPU time is the figure that says how fast the model is; the wall time says how l
   * 5,120 distinct random configurations (tests/validation/test_invariants.py's generator), nothing
     shared between predictions but the memoised collective costs.
 Each workload is timed through predict_many (the batch path `scalestudy predict` and the findings
-use; the target applies to it) and through one predict() call per trial (as the sweep driver's
-simulate backend records them). Each path runs in its own fresh process, so both start with cold
-memo caches and the same heap; the two alternate twice and the ratio is printed.
+use; the target applies to it) and through one call per trial (predict_planned / predict, as the
+sweep driver's simulate backend records them). Each path runs in its own fresh process, so both
+start with cold memo caches and the same heap; the two alternate twice and the ratio is printed.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ sys.path.insert(0, str(REPO))
 
 from scalestudy.perfmodel.predict import predict, predict_many, predict_planned  # noqa: E402
 from scalestudy.spec.load import load_spec, plan  # noqa: E402
-from scalestudy.spec.trial import PlannedTrial  # noqa: E402
 
 TARGET_S = 1.0
 
 
-def _timed(label: str, predict_all, items) -> float:
+def _timed(label: str, path: str, items: list, predict_one) -> float:
+    """CPU seconds for predicting `items` through `path`: predict_many, or predict_one per item."""
     wall, cpu = time.perf_counter(), time.process_time()
-    results = predict_all(items)
+    results = predict_many(items) if path == BATCH else [predict_one(x) for x in items]
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     done = sum(r.status.value == "completed" for r in results)
     print(f"{len(items)} predictions, {label} ({done} completed, {len(items) - done} infeasible): "
@@ -42,11 +42,8 @@ def _timed(label: str, predict_all, items) -> float:
     return cpu
 
 
-def _one_at_a_time(items):
-    return [predict_planned(t) if isinstance(t, PlannedTrial) else predict(t) for t in items]
-
-
-PATHS = {"predict_many": predict_many, "one predict() call each": _one_at_a_time}
+BATCH = "predict_many"
+PATHS = (BATCH, "one call each")
 
 
 def run_path(path: str, n: int) -> None:
@@ -55,12 +52,13 @@ def run_path(path: str, n: int) -> None:
     for name in ("model_parallel", "fsdp_scaling", "compute_workload", "hardware_generations"):
         planned += plan(load_spec(REPO / "experiments" / "paper" / f"{name}.yaml"))
     trials = (planned * (n // len(planned) + 1))[:n]
-    paper = _timed(f"paper studies ({len(planned)} distinct trials), {path}", PATHS[path], trials)
+    paper = _timed(f"paper studies ({len(planned)} distinct trials), {path}", path, trials,
+                   predict_planned)
 
     from tests.validation.test_invariants import random_configs
 
     configs = list(random_configs(n, seed=2026))
-    random = _timed(f"distinct random configurations, {path}", PATHS[path], configs)
+    random = _timed(f"distinct random configurations, {path}", path, configs, predict)
     print(f"CPU_S {paper} {random}")
 
 
@@ -68,8 +66,9 @@ def main(n: int = 5120, rounds: int = 2) -> None:
     cpu: dict[str, list[list[float]]] = {p: [] for p in PATHS}
     for _ in range(rounds):
         for path in PATHS:
+            # stdout only: a failing child's traceback reaches the terminal
             out = subprocess.run([sys.executable, __file__, path, str(n)], check=True,
-                                 capture_output=True, text=True).stdout.splitlines()
+                                 stdout=subprocess.PIPE, text=True).stdout.splitlines()
             print("\n".join(line for line in out if not line.startswith("CPU_S")))
             cpu[path].append([float(x) for x in out[-1].split()[1:]])
     for i, workload in enumerate(("paper studies", "random configurations")):

@@ -1,4 +1,4 @@
-"""predict_many: the same results as one call each, no cyclic garbage, the collector left as found."""
+"""predict_many: the same results as one call each, no cyclic garbage, the collector as found."""
 
 from __future__ import annotations
 
