@@ -87,6 +87,21 @@ def _spec_of(study: str, spec_path: str | Path | None):
     return text, str(path), experiment, uri
 
 
+def recorded_experiment(df: pd.DataFrame) -> str | None:
+    """The MLflow experiment the study's trials were logged under, as the ledger recorded it (the
+    newest, if the study moved): what finds the parent run when no spec on disk names the
+    experiment, e.g. a report written away from the repo of a study whose experiment is not its
+    name (experiments/paper/*.yaml log to paper-<study>)."""
+    if "experiment" not in df:
+        return None
+    rows = df[df["experiment"].notna() & (df["experiment"].astype(str) != "")]
+    if rows.empty:
+        return None
+    if "recorded_at" in rows:
+        rows = rows.sort_values("recorded_at", kind="stable")
+    return str(rows["experiment"].iloc[-1])
+
+
 def latest_sweep_run(experiment: str, tracking_uri: str) -> str | None:
     """Run id of the experiment's newest parent run (tag scalestudy.role=sweep), or None."""
     if not store_exists(tracking_uri):
@@ -146,6 +161,7 @@ def report_study(study: str, out_dir: str | Path | None = None, *,
     data_source = f"the ledger {ledger}" if from_ledger else f"MLflow ({uri})"
     notes: list[str] = []
     run_id = None
+    experiment = experiment or recorded_experiment(df)
     try:
         run_id = latest_sweep_run(experiment or study, uri)
     except Exception as err:  # noqa: BLE001 - an unreachable store: report from the ledger alone
@@ -174,4 +190,4 @@ def report_study(study: str, out_dir: str | Path | None = None, *,
 
 
 __all__ = ["Report", "StudyNotFound", "report_study", "write_report", "software_versions",
-           "latest_sweep_run", "log_report"]
+           "latest_sweep_run", "log_report", "recorded_experiment"]

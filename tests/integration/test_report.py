@@ -203,3 +203,36 @@ def test_cli_report_prints_the_path(quickstart, tracked, tmp_path, monkeypatch):
     assert res.stdout.strip().splitlines()[-1] == str(tmp_path / "out" / "report.html")
     text = (tmp_path / "out" / "report.html").read_text()
     assert f"spec.yaml of MLflow run {parent}" in text and "name: quickstart" in text
+
+
+def test_report_finds_the_experiment_the_ledger_recorded(quickstart, tmp_path, monkeypatch):
+    """A study whose MLflow experiment is not its name (experiments/paper/*.yaml log to
+    paper-<study>), reported from a directory without its spec: the ledger's `experiment` column
+    leads to the sweep's parent run, which gets the report and gives the spec."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from mlflow.tracking import MlflowClient
+
+    from scalestudy.track.mlflow_writer import MlflowWriter
+    from scalestudy_analysis.report import report_study
+
+    ledger, _ = quickstart
+    study, experiment = ledger.parent.name, "renamed-experiment"
+    table = pq.read_table(ledger)
+    i = table.schema.get_field_index("experiment")
+    table = table.set_column(i, table.schema.field(i), pa.array([experiment] * table.num_rows,
+                                                               table.schema.field(i).type))
+    root = tmp_path / "results"
+    (root / study).mkdir(parents=True)
+    pq.write_table(table, root / study / ledger.name)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    writer = MlflowWriter(uri, experiment)
+    parent = writer.create_parent("renamed-sweep", "sweep-renamed")
+    writer.client.log_text(parent, SPEC.read_text(), "spec.yaml")
+    monkeypatch.chdir(tmp_path)  # no experiments/ here: find_spec finds nothing
+    rep = report_study(study, tmp_path / "out", results_root=root, tracking_uri=uri)
+    assert rep.mlflow_run_id == parent, rep.notes
+    assert not any("no parent MLflow run" in n for n in rep.notes)
+    names = {Path(a.path).name for a in MlflowClient(uri).list_artifacts(parent, "report")}
+    assert "report.html" in names
+    assert f"spec.yaml of MLflow run {parent}" in rep.path.read_text()
