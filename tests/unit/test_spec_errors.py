@@ -98,6 +98,34 @@ def test_bad_override(tmp_path):
     assert "KEY=VALUE" in str(exc.value)
 
 
+def test_two_models_of_one_name_are_refused(tmp_path):
+    """A name is the model's column everywhere: two custom models whose dims differ beyond the
+    auto-name's (architecture, width, depth) must be named apart."""
+    dims = "{hidden_size: 64, num_layers: 2, num_heads: %d}"
+    msg = _error(tmp_path, BASE.replace("model: llama2-tiny", f"model: [{dims % 4}, {dims % 8}]"))
+    assert "custom-llama-h64-l2" in msg and "name each one" in msg
+    named = (f"model: [{{name: a, dims: {dims % 4}}}, {{name: b, dims: {dims % 8}}}]")
+    assert len(plan(load_spec(_write(tmp_path, BASE.replace("model: llama2-tiny", named))))) == 2
+    same = BASE.replace("model: llama2-tiny", "model: [llama2-tiny, llama2-tiny]")
+    assert load_spec(_write(tmp_path, same)).model[0].name == "llama2-tiny"
+
+
+def test_a_custom_model_may_not_take_a_catalogue_name(tmp_path):
+    model = "model: {name: llama2-7b, dims: {hidden_size: 64, num_layers: 2, num_heads: 4}}"
+    msg = _error(tmp_path, BASE.replace("model: llama2-tiny", model))
+    assert "llama2-7b" in msg and "catalogue model with other dims" in msg
+
+
+def test_set_one_dim_of_a_catalogue_model(tmp_path):
+    from scalestudy.spec.catalog import get_model
+
+    spec = load_spec(_write(tmp_path, BASE), ["model.hidden_size=128", "model.num_heads=8"])
+    (model,) = spec.model
+    tiny = get_model("llama2-tiny")
+    assert model.dims == tiny.model_copy(update={"hidden_size": 128, "num_heads": 8})
+    assert model.name == "custom-llama-h128-l2"
+
+
 def test_grid_point_infeasible_but_spec_valid(tmp_path):
     planned = plan(load_spec(_write(tmp_path, BASE + "world_size: [2, 3]\ntp: 2\n")))
     assert [p.feasible for p in planned] == [True, False]

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from scalestudy.spec import catalog
 from scalestudy.spec.errors import SpecError
 from scalestudy.spec.study import PlannedTrial, StudySpec, expand
 
@@ -39,6 +40,16 @@ def _merge(base: dict, over: dict) -> dict:
     for k, v in over.items():
         merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
     return merged
+
+
+def _with_overrides(data: dict, over: dict) -> dict:
+    """The spec with --set overrides merged in. `--set model.hidden_size=64` on a catalogue model
+    changes that dimension and keeps the catalogue's others (a custom model, named by its dims)."""
+    model, dims = data.get("model"), over.get("model")
+    if (isinstance(dims, dict) and not {"name", "dims"} & set(dims) and isinstance(model, str)
+            and model in catalog.model_names()):
+        over = {**over, "model": {**catalog.get_model(model).model_dump(), **dims}}
+    return _merge(data, over)
 
 
 def _format_error(err: dict, data: dict) -> SpecError:
@@ -79,7 +90,7 @@ def load_spec_data(path: Path) -> dict[str, Any]:
 
 def load_spec(path: str | Path, overrides: list[str] | None = None) -> StudySpec:
     path = Path(path)
-    data = _merge(load_spec_data(path), parse_overrides(overrides or []))
+    data = _with_overrides(load_spec_data(path), parse_overrides(overrides or []))
     return validate_spec(data, spec_dir=path.parent, source=str(path))
 
 

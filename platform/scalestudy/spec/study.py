@@ -144,7 +144,16 @@ class StudySpec(BaseModel):
     @field_validator("model", mode="before")
     @classmethod
     def _resolve_models(cls, v: list) -> list[NamedModel]:
-        return [_resolve_model(x) for x in _as_list(v)]
+        models = [_resolve_model(x) for x in _as_list(v)]
+        # The name is the model's column in the ledger, MLflow and every figure: two models of one
+        # name would be drawn, paired with predictions and rebuilt from a row as one.
+        dims_of: dict[str, ModelDims] = {}
+        for m in models:
+            if dims_of.setdefault(m.name, m.dims) != m.dims:
+                raise ValueError(
+                    f"two models with different dims are both named {m.name!r}; name each one: "
+                    "{name: my-model, dims: {architecture: ..., hidden_size: ..., ...}}")
+        return models
 
     @field_validator("hardware", mode="before")
     @classmethod
@@ -173,7 +182,12 @@ def _resolve_model(x: Any) -> NamedModel:
             )
         return NamedModel(name=x, dims=catalog.get_model(x))
     if isinstance(x, dict) and "dims" in x:
-        return NamedModel(**x)
+        named = NamedModel(**x)
+        if named.name in catalog.model_names() and named.dims != catalog.get_model(named.name):
+            # a result row is rebuilt from the catalogue by its model name (spec.trial.config_from_row)
+            raise ValueError(f"{named.name!r} is a catalogue model with other dims; give this one "
+                             "a name of its own")
+        return named
     if isinstance(x, dict):
         try:
             dims = ModelDims(**x)
