@@ -110,6 +110,19 @@ def test_two_models_of_one_name_are_refused(tmp_path):
     assert load_spec(_write(tmp_path, same)).model[0].name == "llama2-tiny"
 
 
+def test_two_hardware_profiles_of_one_name_are_refused(tmp_path):
+    from scalestudy.spec.catalog import get_hardware, write_profile
+
+    cpu = get_hardware("cpu-local")
+    write_profile(cpu.model_copy(update={"hbm_gib": cpu.hbm_gib + 1}), tmp_path / "cal.yaml")
+    msg = _error(tmp_path, BASE.replace("hardware: cpu-local", "hardware: [cpu-local, cal.yaml]"))
+    assert "cpu-local" in msg and "name:" in msg
+    write_profile(cpu, tmp_path / "same.yaml")  # the very same profile twice is one hardware
+    spec = load_spec(_write(tmp_path, BASE.replace("hardware: cpu-local",
+                                                   "hardware: [cpu-local, same.yaml]")))
+    assert {h.name for h in spec.hardware} == {"cpu-local"}
+
+
 def test_a_custom_model_may_not_take_a_catalogue_name(tmp_path):
     model = "model: {name: llama2-7b, dims: {hidden_size: 64, num_layers: 2, num_heads: 4}}"
     msg = _error(tmp_path, BASE.replace("model: llama2-tiny", model))

@@ -145,21 +145,19 @@ class StudySpec(BaseModel):
     @classmethod
     def _resolve_models(cls, v: list) -> list[NamedModel]:
         models = [_resolve_model(x) for x in _as_list(v)]
-        # The name is the model's column in the ledger, MLflow and every figure: two models of one
-        # name would be drawn, paired with predictions and rebuilt from a row as one.
-        dims_of: dict[str, ModelDims] = {}
-        for m in models:
-            if dims_of.setdefault(m.name, m.dims) != m.dims:
-                raise ValueError(
-                    f"two models with different dims are both named {m.name!r}; name each one: "
-                    "{name: my-model, dims: {architecture: ..., hidden_size: ..., ...}}")
+        _one_per_name([(m.name, m.dims) for m in models], "models with different dims",
+                      "name each one: {name: my-model, dims: {architecture: ..., hidden_size: ...}}")
         return models
 
     @field_validator("hardware", mode="before")
     @classmethod
     def _resolve_hardware(cls, v: list, info) -> list[HardwareProfile]:
         spec_dir = info.data.get("spec_dir")
-        return [resolve_hardware(x, spec_dir) for x in _as_list(v)]
+        profiles = [resolve_hardware(x, spec_dir) for x in _as_list(v)]
+        _one_per_name([(h.name, h) for h in profiles], "different hardware profiles",
+                      "edit the `name:` of one profile YAML (a calibrated profile keeps the "
+                      "name of the catalogue entry it started from)")
+        return profiles
 
     @property
     def experiment(self) -> str:
@@ -169,6 +167,16 @@ class StudySpec(BaseModel):
     def name_axes(self) -> tuple[str, ...]:
         """Axes beyond the layout that this study sweeps: its trials' names show them."""
         return tuple(a for a in AXES if a not in LAYOUT_NAME_AXES and len(getattr(self, a)) > 1)
+
+
+def _one_per_name(named: list[tuple[str, Any]], what: str, fix: str) -> None:
+    """A name is its axis' column in the ledger, MLflow and every figure, and a trial's point
+    (resolve_point) finds its model and hardware by name: two of one name would run, be drawn and
+    be paired with predictions as one."""
+    first: dict[str, Any] = {}
+    for name, value in named:
+        if first.setdefault(name, value) != value:
+            raise ValueError(f"two {what} are both named {name!r}; {fix}")
 
 
 def _resolve_model(x: Any) -> NamedModel:
