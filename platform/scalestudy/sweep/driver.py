@@ -17,6 +17,7 @@ from scalestudy.spec.study import Backend, PlannedTrial, SearchAlgorithm, StudyS
 from scalestudy.spec.trial import trial_name
 from scalestudy.sweep.feasibility import check_all
 from scalestudy.sweep.progress import SweepProgress
+from scalestudy.sweep.simulate import simulate_sweep
 from scalestudy.track.ledger import Ledger, ledger_path
 from scalestudy.track.mlflow_writer import MlflowWriter, tracking_uri
 
@@ -104,7 +105,7 @@ def run_sweep(
                     rec.record(TrialResult.from_config(p.config, Status.infeasible, reason=p.reason))
             runnable = [p for p in todo if p.feasible]
             if spec.backend is Backend.simulate:
-                _simulate(runnable, rec, progress)
+                simulate_sweep(spec, planned, done, rec.record, progress)
             elif runnable or spec.search.algorithm is not SearchAlgorithm.grid:
                 from scalestudy.sweep.tune_runner import run_tune
 
@@ -128,14 +129,6 @@ def _check_storage(todo: list[PlannedTrial], results_root: str | Path, verbose: 
 
         ensure_ray(verbose=verbose)
         check_checkpoint_storage(results_root, checkpointing=True)
-
-
-def _simulate(planned: list[PlannedTrial], rec: Recorder, progress: SweepProgress) -> None:
-    from scalestudy.perfmodel.predict import predict
-
-    for p in planned:
-        progress.running(p.config.run_name)
-        rec.record(predict(p.config))
 
 
 def sorted_for_table(results: list[TrialResult]) -> list[TrialResult]:
