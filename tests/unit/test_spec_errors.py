@@ -123,6 +123,14 @@ def test_two_hardware_profiles_of_one_name_are_refused(tmp_path):
     assert {h.name for h in spec.hardware} == {"cpu-local"}
 
 
+def test_a_value_listed_twice_is_one_trial(tmp_path):
+    text = BASE.replace("model: llama2-tiny", "model: [llama2-tiny, llama2-tiny]")
+    spec = load_spec(_write(tmp_path, text + "world_size: [2, 1, 2]\nzero_stage: [3, 3]\n"))
+    assert spec.world_size == [2, 1] and spec.zero_stage == [3] and len(spec.model) == 1
+    trials = plan(spec)
+    assert len(trials) == len({t.config.trial_id for t in trials}) == 2
+
+
 def test_a_custom_model_may_not_take_a_catalogue_name(tmp_path):
     model = "model: {name: llama2-7b, dims: {hidden_size: 64, num_layers: 2, num_heads: 4}}"
     msg = _error(tmp_path, BASE.replace("model: llama2-tiny", model))

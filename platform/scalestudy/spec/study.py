@@ -141,6 +141,15 @@ class StudySpec(BaseModel):
     def _listify(cls, v: Any) -> list:
         return _as_list(v)
 
+    @field_validator(*AXES, mode="after")
+    @classmethod
+    def _distinct(cls, v: list) -> list:
+        """A value listed twice is one grid point: two would be two trials of one trial id."""
+        seen: set = set()
+        named = (NamedModel, HardwareProfile)
+        keys = [x.name if isinstance(x, named) else x for x in v]
+        return [x for x, k in zip(v, keys) if not (k in seen or seen.add(k))]
+
     @field_validator("model", mode="before")
     @classmethod
     def _resolve_models(cls, v: list) -> list[NamedModel]:
