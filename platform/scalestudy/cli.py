@@ -123,7 +123,7 @@ def run(
     cfg = planned[0].config
     from scalestudy.sweep.shared_storage import check_checkpoint_storage
     from scalestudy.track.storage import join, ray_storage
-    from scalestudy.train.launch import ensure_ray, run_trial
+    from scalestudy.train.launch import ensure_ray, fixed_local_resources, run_trial, unplaceable
     from scalestudy.train.resume import wants_checkpoints
 
     ensure_ray(verbose=verbose)
@@ -131,7 +131,9 @@ def run(
         check_checkpoint_storage(results_root, wants_checkpoints(cfg))
     except SpecError as e:
         _fail(e)
-    result = run_trial(cfg, t0=t0, **ray_storage(join(results_root, cfg.study, "ray")))
+    result = unplaceable(cfg, fixed_local_resources(), t0)  # never placeable on this Ray
+    if result is None:
+        result = run_trial(cfg, t0=t0, **ray_storage(join(results_root, cfg.study, "ray")))
     if json_:
         sys.stdout.write(result.model_dump_json() + "\n")
     else:

@@ -8,7 +8,8 @@ import pytest
 from scalestudy.errors import InfeasibleTrial
 from scalestudy.parallel.layout import Layout
 from scalestudy.spec.study import StudySpec, expand
-from scalestudy.train.placement import health_check_interval_s, placement_for, tp_node_reason
+from scalestudy.train.placement import (health_check_interval_s, local_shortfall, placement_for,
+                                        tp_node_reason)
 
 
 def _trials(**fields):
@@ -91,3 +92,21 @@ def test_placement_fields_leave_trial_ids_alone():
         "placement_timeout_s": 5.0})
     assert moved.trial_id == cfg.trial_id
     assert "placement_timeout_s" not in cfg.config_fields()
+
+
+def test_a_ray_of_fixed_resources_turns_away_what_it_can_never_hold():
+    """A Ray instance this process started has no autoscaler: a trial needing more waits for
+    nothing (placement_timeout_s, 30 min by default), so it is turned away at once."""
+    (gpu,) = _trials(hardware="h100-80gb", world_size=8)
+    laptop = {"CPU": 2.0, "memory": 2e10}
+    reason = local_shortfall(gpu.config, laptop)
+    assert reason.startswith("placement: needs 8 x {'GPU': 1.0, 'CPU': 8.0} (STRICT_PACK, "
+                             "accelerator_type H100)"), reason
+    assert "'GPU': 0.0" in reason and "ray job submit" in reason
+    node = {"CPU": 64.0, "GPU": 8.0, "accelerator_type:H100": 1.0}
+    assert local_shortfall(gpu.config, node) is None
+    assert "accelerator_type:H100" in local_shortfall(
+        gpu.config, {"CPU": 64.0, "GPU": 8.0, "accelerator_type:A100": 1.0})
+    two, four = _trials(hardware="cpu-local", world_size=[2, 4])
+    assert local_shortfall(two.config, laptop) is None
+    assert "{'CPU': 2.0}" in local_shortfall(four.config, laptop)

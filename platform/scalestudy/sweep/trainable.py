@@ -18,6 +18,7 @@ BACKSTOP_S = 120.0  # beyond both limits: time for run_trial to abort the trial 
 def trial_trainable(
     config: dict[str, Any], *, spec, storage: str, fault: str | None, skip_ids: frozenset[str],
     pool: str | None = None,
+    available: dict[str, float] | None = None,
 ) -> None:
     from ray import tune
 
@@ -25,7 +26,7 @@ def trial_trainable(
     from scalestudy.spec.study import AXES, build_trial, resolve_point
     from scalestudy.sweep.feasibility import with_memory_check
     from scalestudy.track.storage import ray_storage
-    from scalestudy.train.launch import run_trial
+    from scalestudy.train.launch import run_trial, unplaceable
     from scalestudy.train.warm import warm_run
 
     t0 = time.time()
@@ -37,6 +38,8 @@ def trial_trainable(
         return
     if not planned.feasible:
         result = TrialResult.from_config(cfg, Status.infeasible, reason=planned.reason)
+    elif (turned_away := unplaceable(cfg, available, t0)) is not None:
+        result = turned_away  # a Ray instance of fixed resources that can never hold it
     else:
         box: dict[str, TrialResult] = {}
         warm = warm_run(pool, cfg)  # None: a cold Ray Train worker group of its own

@@ -55,16 +55,18 @@ def _searcher(spec: StudySpec):
 
 def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, results_root: str | Path,
              max_concurrent, fault, verbose) -> None:
-    from scalestudy.train.launch import ensure_ray
+    from scalestudy.train.launch import ensure_ray, fixed_local_resources
     from scalestudy.train.warm import pool_name, reusable, warm_pool
 
     ensure_ray(verbose=verbose)
+    available = fixed_local_resources()  # None on a cluster joined (train/placement.py)
     # A URI stays a URI (str); a local root becomes absolute here, where the driver's cwd is known.
     study_dir = storage.absolute(storage.join(results_root, spec.name))
     trainable = tune.with_resources(
         tune.with_parameters(
             trial_trainable, spec=spec, storage=str(storage.join(study_dir, "train")), fault=fault,
             skip_ids=frozenset(skip_ids), pool=pool_name(spec.workers.reuse, recorder.sweep_id),
+            available=available,
         ),
         TRAINABLE_RESOURCES,
     )

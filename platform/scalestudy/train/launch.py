@@ -12,7 +12,7 @@ from pathlib import Path
 from scalestudy.metrics import Status, TrialResult
 from scalestudy.spec.trial import TrialConfig
 from scalestudy.train.placement import (HEALTH_CHECK_ENV, LOCAL_HEALTH_CHECK_S,
-                                        health_check_interval_s, placement_for)
+                                        health_check_interval_s, local_shortfall, placement_for)
 from scalestudy.train.result import failure_reason, summarize
 
 # Ray Train v2's controller polls workers every 2 s by default, which adds ~2 s to each report and
@@ -37,6 +37,30 @@ def ensure_ray(verbose: bool = False, **init_kwargs) -> None:
         logging_level=logging.INFO if verbose else logging.WARNING,
         **init_kwargs,
     )
+
+
+def fixed_local_resources() -> dict[str, float] | None:
+    """The Ray instance's total resources when this process started it itself (a head of its own:
+    no autoscaler, nothing more will come), else None (a cluster joined, which may grow)."""
+    import ray
+    from ray._private import worker as ray_worker  # private: read defensively below
+
+    # Ray's driver keeps the node it started or connected to; `head` is True only for one it
+    # started (a connection to a running cluster is made with head=False, connect_only=True).
+    node = getattr(ray_worker, "_global_node", None)
+    if node is None or getattr(node, "head", False) is not True:
+        return None
+    return {k: float(v) for k, v in ray.cluster_resources().items()}
+
+
+def unplaceable(cfg: TrialConfig, available: dict[str, float] | None,
+                t0: float | None = None) -> TrialResult | None:
+    """The trial's result when a Ray instance of fixed resources can never hold it, else None."""
+    reason = local_shortfall(cfg, available) if available is not None else None
+    if reason is None:
+        return None
+    wall = time.time() - t0 if t0 is not None else 0.0
+    return TrialResult.from_config(cfg, Status.timeout, reason=reason, wall_time_s=wall)
 
 
 def run_trial(

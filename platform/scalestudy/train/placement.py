@@ -9,6 +9,11 @@ them, and Ray Train orders ranks node by node, so each node holds consecutive ra
 node at the start and the trial fails with the reason when a TP group crosses nodes: an elastic
 trial runs at whatever size the cluster holds, and another trial may hold part of a node.
 
+A Ray instance this process started itself (ray.init with no cluster to join) has fixed resources
+and no autoscaler: a trial it cannot hold would wait placement_timeout_s for nodes that never come,
+so `local_shortfall` turns it away at once, recorded as a placement timeout (retried by --resume,
+e.g. once the study runs on a cluster). On a cluster joined, nodes may still come: it waits.
+
 The decisions are pure; only `gather_node_ids` and `check_tp_nodes` (run in the workers) and
 `on_this_node` (the launcher's helper actors) touch Ray and torch.distributed, lazily.
 """
@@ -91,6 +96,23 @@ def placement_for(cfg: TrialConfig) -> Placement:
         accelerator_type=cfg.hardware_profile.accelerator_type,
         extra={"elastic_resize_monitor_interval_s": el.resize_check_s} if el else {},
     )
+
+
+def local_shortfall(cfg: TrialConfig, available: dict[str, float]) -> str | None:
+    """Why the trial's workers can never be placed on a Ray instance of fixed resources
+    (`available`, its totals), or None. Only a necessary condition: Ray still has to fit them."""
+    p = placement_for(cfg)
+    n = p.num_workers if isinstance(p.num_workers, int) else p.num_workers[0]
+    need = {k: v * n for k, v in p.resources_per_worker.items()}
+    if p.accelerator_type:
+        need[f"accelerator_type:{p.accelerator_type}"] = 1e-3  # any node of that type
+    short = sorted(k for k, v in need.items() if available.get(k, 0.0) + 1e-9 < v)
+    if not short:
+        return None
+    have = {k: available.get(k, 0.0) for k in short}
+    return (f"placement: needs {p.describe()}, and the Ray instance this process started has "
+            f"{have} with no autoscaler to add nodes; run it on a Ray cluster (RAY_ADDRESS or "
+            "`ray job submit`), or ask for fewer devices")
 
 
 def health_check_interval_s(cfg: TrialConfig) -> float:
