@@ -95,7 +95,8 @@ def run_sweep(
     sweep_id = uuid.uuid4().hex[:12]
     parent = writer.start_sweep(sweep_id, spec_text, run_name=f"sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     grid = spec.search.algorithm is SearchAlgorithm.grid
-    total = len(todo) if grid else spec.search.num_samples or len(todo)
+    # A search draws num_samples points, by default one per runnable point (Tune's and simulate's)
+    total = len(todo) if grid else spec.search.num_samples or sum(p.feasible for p in todo) or 1
     try:
         with SweepProgress(total, enabled=show_progress) as progress:
             progress.set_study(spec.name)

@@ -39,13 +39,19 @@ def simulate_sweep(spec: StudySpec, planned: list[PlannedTrial], done: set[str],
     """Predict the study's trials and record each (planned: the whole grid, memory-checked)."""
     from scalestudy.perfmodel.predict import predict_planned
 
+    results: dict[str, TrialResult] = {}
+
     def run(p: PlannedTrial) -> TrialResult | None:
-        if p.config.trial_id in done:
+        trial_id = p.config.trial_id
+        if trial_id in done:
             return None
+        if trial_id in results:  # drawn again: one row per trial, but the bar counts every draw
+            progress.done(results[trial_id], f"{p.config.run_name} (drawn again)")
+            return results[trial_id]
         progress.running(p.config.run_name)
-        result = predict_planned(p)  # infeasible with its reason when p cannot run
-        record(result)
-        return result
+        results[trial_id] = predict_planned(p)  # infeasible with its reason when p cannot run
+        record(results[trial_id])
+        return results[trial_id]
 
     if spec.search.algorithm is SearchAlgorithm.grid:
         for p in planned:
