@@ -146,9 +146,7 @@ class StudySpec(BaseModel):
     def _distinct(cls, v: list) -> list:
         """A value listed twice is one grid point: two would be two trials of one trial id."""
         seen: set = set()
-        named = (NamedModel, HardwareProfile)
-        keys = [x.name if isinstance(x, named) else x for x in v]
-        return [x for x, k in zip(v, keys) if not (k in seen or seen.add(k))]
+        return [x for x in v if not (shown(x) in seen or seen.add(shown(x)))]
 
     @field_validator("model", mode="before")
     @classmethod
@@ -172,10 +170,22 @@ class StudySpec(BaseModel):
     def experiment(self) -> str:
         return self.tracking.experiment or self.name
 
+    def axis_values(self) -> dict[str, list]:
+        """Each axis' values as trials show them (names, plain values): what a search draws from."""
+        return {a: [shown(v) for v in getattr(self, a)] for a in AXES}
+
     @property
     def name_axes(self) -> tuple[str, ...]:
         """Axes beyond the layout that this study sweeps: its trials' names show them."""
         return tuple(a for a in AXES if a not in LAYOUT_NAME_AXES and len(getattr(self, a)) > 1)
+
+
+def shown(value: Any) -> Any:
+    """An axis value as trials, names and searches show it: a model's or hardware's name, an
+    enum's value, anything else itself."""
+    if isinstance(value, (NamedModel, HardwareProfile)):
+        return value.name
+    return value.value if isinstance(value, Enum) else value
 
 
 def _one_per_name(named: list[tuple[str, Any]], what: str, fix: str) -> None:
@@ -251,11 +261,7 @@ def resolve_point(spec: StudySpec, axes: dict[str, Any]) -> dict[str, Any]:
 
 def build_trial(spec: StudySpec, point: dict[str, Any]) -> PlannedTrial:
     """One grid point (typed, see resolve_point) -> PlannedTrial with its infeasibility reason."""
-    shown = {
-        k: (v.name if isinstance(v, (NamedModel, HardwareProfile)) else
-            v.value if isinstance(v, Enum) else v)
-        for k, v in point.items()
-    }
+    axes = {k: shown(v) for k, v in point.items()}
     hw: HardwareProfile = point["hardware"]
     degrees = (point["world_size"], point["tp"], point["pp"], point["micro_batch"],
                point["global_batch"], hw.gpus_per_node)
@@ -269,7 +275,7 @@ def build_trial(spec: StudySpec, point: dict[str, Any]) -> PlannedTrial:
             check_trial(spec, cfg)
         except InfeasibleTrial as err:
             reason = str(err)
-    return PlannedTrial(axes=shown, config=cfg, reason=reason)
+    return PlannedTrial(axes=axes, config=cfg, reason=reason)
 
 
 def check_trial(spec: StudySpec, cfg: TrialConfig) -> None:

@@ -27,13 +27,6 @@ def _key(axes: dict) -> tuple:
     return tuple(axes[a] for a in AXES)
 
 
-def axis_values(spec: StudySpec) -> dict[str, list]:
-    """Each axis' values as trials show them (names, plain values): what a search chooses from."""
-    shown = {"model": [m.name for m in spec.model], "hardware": [h.name for h in spec.hardware],
-             "precision": [p.value for p in spec.precision]}
-    return {a: list(shown.get(a) or getattr(spec, a)) for a in AXES}
-
-
 def simulate_sweep(spec: StudySpec, planned: list[PlannedTrial], done: set[str],
                    record: Callable[[TrialResult], None], progress: SweepProgress) -> None:
     """Predict the study's trials and record each (planned: the whole grid, memory-checked)."""
@@ -62,7 +55,7 @@ def simulate_sweep(spec: StudySpec, planned: list[PlannedTrial], done: set[str],
     # Tune's default (tune_runner.run_tune): one sample per runnable point not yet in the ledger
     samples = spec.search.num_samples or sum(
         p.feasible and p.config.trial_id not in done for p in planned) or 1
-    values = axis_values(spec)
+    values = spec.axis_values()
     if spec.search.algorithm is SearchAlgorithm.random:
         rng = random.Random(spec.seed)
         for _ in range(samples):

@@ -33,12 +33,7 @@ def default_concurrency(spec: StudySpec, runnable: list[PlannedTrial]) -> int:
 def _param_space(spec: StudySpec, runnable: list[PlannedTrial]) -> dict:
     if spec.search.algorithm is SearchAlgorithm.grid:
         return {"point": tune.grid_search([p.axes for p in runnable])}
-    shown = {
-        "model": [m.name for m in spec.model],
-        "hardware": [h.name for h in spec.hardware],
-        "precision": [p.value for p in spec.precision],
-    }
-    return {a: tune.choice(shown.get(a) or getattr(spec, a)) for a in AXES}
+    return {a: tune.choice(values) for a, values in spec.axis_values().items()}
 
 
 def _searcher(spec: StudySpec):

@@ -54,13 +54,14 @@ def fixed_local_resources() -> dict[str, float] | None:
 
 
 def unplaceable(cfg: TrialConfig, available: dict[str, float] | None,
-                t0: float | None = None) -> TrialResult | None:
-    """The trial's result when a Ray instance of fixed resources can never hold it, else None."""
+                t0: float) -> TrialResult | None:
+    """The trial's result when a Ray instance of fixed resources can never hold it, else None
+    (available None: a cluster joined, which may grow)."""
     reason = local_shortfall(cfg, available) if available is not None else None
     if reason is None:
         return None
-    wall = time.time() - t0 if t0 is not None else 0.0
-    return TrialResult.from_config(cfg, Status.timeout, reason=reason, wall_time_s=wall)
+    return TrialResult.from_config(cfg, Status.timeout, reason=reason,
+                                   wall_time_s=time.time() - t0)
 
 
 def run_trial(

@@ -53,11 +53,15 @@ class Placement:
                 "placement_strategy": self.placement_strategy,
                 "accelerator_type": self.accelerator_type, **self.extra}
 
+    @property
+    def min_workers(self) -> int:
+        """The workers the trial cannot start without (an elastic trial's minimum)."""
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+
     def describe(self) -> str:
         """One line for a reason: what the trial waited for."""
-        n = self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
         acc = f", accelerator_type {self.accelerator_type}" if self.accelerator_type else ""
-        return f"{n} x {self.resources_per_worker} ({self.placement_strategy}{acc})"
+        return f"{self.min_workers} x {self.resources_per_worker} ({self.placement_strategy}{acc})"
 
 
 def device_resource(cfg: TrialConfig) -> str:
@@ -102,8 +106,7 @@ def local_shortfall(cfg: TrialConfig, available: dict[str, float]) -> str | None
     """Why the trial's workers can never be placed on a Ray instance of fixed resources
     (`available`, its totals), or None. Only a necessary condition: Ray still has to fit them."""
     p = placement_for(cfg)
-    n = p.num_workers if isinstance(p.num_workers, int) else p.num_workers[0]
-    need = {k: v * n for k, v in p.resources_per_worker.items()}
+    need = {k: v * p.min_workers for k, v in p.resources_per_worker.items()}
     if p.accelerator_type:
         need[f"accelerator_type:{p.accelerator_type}"] = 1e-3  # any node of that type
     short = sorted(k for k, v in need.items() if available.get(k, 0.0) + 1e-9 < v)
