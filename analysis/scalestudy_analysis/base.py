@@ -13,8 +13,10 @@ import matplotlib
 
 matplotlib.use("Agg")  # reports are rendered headless; never pick an interactive backend
 
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.ticker import NullFormatter  # noqa: E402
 
 from scalestudy import metrics as M  # noqa: E402
 from scalestudy.spec.trial import trial_name  # noqa: E402
@@ -36,6 +38,12 @@ GENERATIONS = ("v100", "a100", "h100", "h200", "b200", "gb200")
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
            "#17becf", "#7f7f7f", "#bcbd22")
 SOURCE_STYLE = {MEASURED: dict(linestyle="-", marker="o"), PREDICTED: dict(linestyle="--", marker="x")}
+# Bars: predicted ones hatched (and said so in the legend), measured ones plain.
+SOURCE_HATCH = {MEASURED: None, PREDICTED: "//"}
+SOURCE_COLOUR = {MEASURED: PALETTE[0], PREDICTED: PALETTE[1]}
+CHOSEN_ATTR = "chosen_profiles"  # df.attrs: {hardware: profiles.ChosenProfile}
+METER_DEVICE = {"nvml": "GPU", "rapl": "CPU package"}  # energy_source -> what it measures
+KIND_DEVICE = {"gpu": "GPU", "cpu": "CPU"}
 
 
 class FigureSkipped(ValueError):
@@ -142,6 +150,106 @@ def trial_label(row: pd.Series | dict, with_model: bool = False) -> str:
 
 def varies(df: pd.DataFrame, column: str) -> bool:
     return column in df and df[column].nunique(dropna=False) > 1
+
+
+# Mantissas tried per decade, coarsest first, until a log axis gets three labelled ticks (or two).
+LOG_MANTISSAS = ((1,), (1, 2, 5), (1, 2, 3, 5, 7), (1, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9))
+MAX_LOG_TICKS = 8
+
+
+def tick_text(v: float) -> str:
+    """13000 -> 13k, 0.05 -> 0.05: tick labels as the sentences write numbers."""
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(v) >= div:
+            return f"{v / div:.4g}{suffix}"
+    return f"{v:.4g}"
+
+
+def log_ticks(lo: float, hi: float) -> list[float]:
+    """Two to eight round ticks inside [lo, hi] on a log scale: decades, else 1-2-5, finer when
+    the range is short (15-29 W: 15, 20, 25), the range's ends when even that leaves one."""
+    lo, hi = min(lo, hi), max(lo, hi)
+    if not (lo > 0 and np.isfinite(hi)):
+        return []
+    decades = range(int(np.floor(np.log10(lo))), int(np.ceil(np.log10(hi))) + 1)
+    def inside(mantissas: tuple[float, ...]) -> list[float]:
+        ticks = [float(f"{m * 10.0 ** d:.6g}") for d in decades for m in mantissas]
+        return [t for t in ticks if lo * (1 - 1e-9) <= t <= hi * (1 + 1e-9)]
+
+    # The coarsest set giving three ticks, else the first giving two, else the range's ends.
+    sets = [inside(m) for m in LOG_MANTISSAS]
+    ticks = next((t for t in sets if len(t) >= 3), None) or next((t for t in sets if len(t) >= 2),
+                                                                 None)
+    if ticks is None:  # a range too short for round numbers: its own ends
+        ticks = [lo, hi] if hi > lo else [lo]
+    if len(ticks) > MAX_LOG_TICKS:
+        ticks = ticks[:: int(np.ceil(len(ticks) / MAX_LOG_TICKS))]
+    return ticks
+
+
+def readable_log(ax: Axes, axis: str, values: Iterable[float]) -> None:
+    """Log scale on `axis` ("x" or "y") labelled with round numbers inside the data's range, so
+    a 15-29 W range reads 15, 20, 25 rather than one unlabelled decade."""
+    vals = [float(v) for v in values if v == v and v > 0]
+    (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
+    if not vals:
+        return
+    ticks = log_ticks(min(vals), max(vals))
+    target = ax.xaxis if axis == "x" else ax.yaxis
+    target.set_ticks(ticks, [tick_text(t) for t in ticks])
+    target.set_minor_formatter(NullFormatter())  # matplotlib labels minor ticks on short ranges
+
+
+def hardware_kind(name: str, df: pd.DataFrame | None = None) -> str | None:
+    """'gpu' or 'cpu' for a catalogue hardware name (or a profile the report chose), else None."""
+    from scalestudy.spec.catalog import get_hardware
+
+    chosen = (df.attrs.get(CHOSEN_ATTR) or {}) if df is not None else {}
+    profile = getattr(chosen.get(name), "profile", None)
+    if profile is not None:
+        return profile.kind
+    try:
+        return get_hardware(str(name)).kind
+    except KeyError:
+        return None
+
+
+def cpu_hardware(df: pd.DataFrame) -> list[str]:
+    return sorted(str(h) for h in set(df["hardware"].dropna()) if hardware_kind(h, df) == "cpu")
+
+
+def power_frame(df: pd.DataFrame) -> tuple[pd.DataFrame, list[tuple[str, str, str]]]:
+    """(df without modelled power of CPU hardware, power_columns of that). The power model
+    (perfmodel/power.py) prices GPU boards at TDP; a CPU profile's figure is a typed per-core
+    guess, so only a meter's reading (RAPL) counts there. Skips with the reason when nothing is
+    left."""
+    cpus = cpu_hardware(df)
+    data = df
+    if cpus and "total_power_w_estimated" in df:
+        data = df.copy()
+        rows = data["hardware"].isin(cpus)
+        data.loc[rows, ["total_power_w_estimated", M.POWER_W_ESTIMATED,
+                        M.TOKENS_PER_J_ESTIMATED]] = np.nan
+    try:
+        return data, power_columns(data)
+    except FigureSkipped:
+        if not cpus:
+            raise
+    raise FigureSkipped(f"{', '.join(cpus)} is a CPU profile and no trial measured power "
+                        "(energy_source none: no RAPL or NVML meter); the power model covers "
+                        "GPUs only, so there is no power to plot")
+
+
+def power_device(data: pd.DataFrame, power: str) -> str:
+    """What the plotted power is the power of: GPU boards (NVML, or the GPU power model), CPU
+    packages (RAPL), else the hardware's kind; "device" when the rows disagree."""
+    if power == "total_power_w_estimated":
+        return "GPU"
+    rows = data.dropna(subset=[power])
+    sources = rows["energy_source"] if "energy_source" in rows else pd.Series("", index=rows.index)
+    words = {METER_DEVICE.get(str(src)) or KIND_DEVICE.get(hardware_kind(hw, data) or "", "device")
+             for src, hw in zip(sources, rows["hardware"])}
+    return words.pop() if len(words) == 1 else "device"
 
 
 def power_columns(df: pd.DataFrame) -> list[tuple[str, str, str]]:

@@ -12,18 +12,24 @@ from scalestudy_analysis.base import (
     GID_DATA,
     GID_GUIDE,
     PALETTE,
+    SOURCE_COLOUR,
+    SOURCE_HATCH,
     FigureSkipped,
     finite,
     generation_order,
     iter_series,
     log2_x,
     need_values,
-    power_columns,
+    power_device,
+    power_frame,
     power_unit,
+    readable_log,
     trial_label,
 )
+from scalestudy_analysis.labels import place_labels
 from scalestudy_analysis.load import (MEASURED, PREDICTED, PROFILES_ATTR, completed,
                                       pair_predictions)
+from scalestudy_analysis.peaks import mfu_label, peaks_title
 
 
 def degree_frame(df: pd.DataFrame, world_size: int | None = None) -> tuple[int, pd.DataFrame]:
@@ -73,7 +79,7 @@ def parallelism_degrees(df: pd.DataFrame, world_size: int | None = None) -> Figu
             heights = [rows["value"].get(d, np.nan) for d in degrees]
             pos = np.arange(len(degrees)) - 0.4 + width * (i + 0.5)
             ax.bar(pos, np.nan_to_num(heights), width * 0.9, label=source,
-                   color=PALETTE[i], hatch="//" if source == PREDICTED else None)
+                   color=SOURCE_COLOUR.get(source, PALETTE[i]), hatch=SOURCE_HATCH.get(source))
             for x, h in zip(pos, heights):
                 if not np.isfinite(h):  # a gap would read as "zero throughput"
                     ax.text(x, 0, "infeasible", rotation=90, ha="center", va="bottom", fontsize=7)
@@ -109,7 +115,7 @@ def model_order(data: pd.DataFrame) -> list[str]:
 
 
 def _category_bars(data: pd.DataFrame, axis: str, order: list[str], ws: int | None,
-                   what: str) -> Figure:
+                   what: str, df: pd.DataFrame) -> Figure:
     """MFU and exposed-communication bars per category, one bar container per series."""
     series = list(iter_series(data, axis, exclude=("world_size",)))
     fig = Figure(figsize=(11, 4.2), layout="constrained")
@@ -126,7 +132,9 @@ def _category_bars(data: pd.DataFrame, axis: str, order: list[str], ws: int | No
     where = f" per {what}" + (f" ({ws} devices)" if ws is not None else "")
     ax_m.set_title(f"MFU{where}", fontsize=10)
     ax_c.set_title(f"Exposed communication{where}", fontsize=10)
-    ax_m.set_ylabel("MFU (%)")
+    ax_m.set_ylabel(mfu_label(df, data))
+    if peaks := peaks_title(df, data):
+        fig.suptitle(peaks, fontsize=9)
     ax_c.set_ylabel("% of step time")
     for ax in (ax_m, ax_c):
         ax.set_xticks(range(len(order)))
@@ -142,14 +150,14 @@ def hardware_generations(df: pd.DataFrame) -> Figure:
     """MFU and exposed-communication fraction per hardware generation (bars, oldest first)."""
     ws, data = hardware_frame(df)
     return _category_bars(data, "hardware", generation_order(data["hardware"]), ws,
-                          "hardware generation")
+                          "hardware generation", df)
 
 
 def model_size(df: pd.DataFrame) -> Figure:
     """MFU and exposed-communication fraction per model, smallest first: how the communication
     share changes with model size at a fixed world size."""
     ws, data = category_frame(df, "model")
-    return _category_bars(data, "model", model_order(data), ws, "model")
+    return _category_bars(data, "model", model_order(data), ws, "model", df)
 
 
 WORKLOAD_AXES = (("micro_batch", "micro-batch (sequences per device)"),
@@ -164,12 +172,14 @@ def workload_utilization(df: pd.DataFrame) -> Figure:
         raise FigureSkipped("the study sweeps neither micro_batch nor seq_len")
     fig = Figure(figsize=(5.5 * len(axes_swept), 4.2), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(axes_swept), squeeze=False)[0])
+    if peaks := peaks_title(df, data):
+        fig.suptitle(peaks, fontsize=9)
     for ax, (col, title) in zip(axes, axes_swept):
         for label, _source, style, rows in iter_series(data, col):
             rows = rows.groupby(col, as_index=False)[M.MFU].median()
             ax.plot(rows[col], 100 * rows[M.MFU], label=label, gid=GID_DATA, **style)
         log2_x(ax, data[col])
-        ax.set(title=f"Utilization vs {col}", xlabel=title, ylabel="MFU (%)")
+        ax.set(title=f"Utilization vs {col}", xlabel=title, ylabel=mfu_label(df, data))
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         if len(ax.lines) <= 12:
@@ -191,18 +201,17 @@ def prediction_parity(df: pd.DataFrame, metric: str = M.TOKENS_PER_S_PER_DEVICE)
         ax_p.scatter(rows["measured"], rows["predicted"], color=colour, label=hw, zorder=3)
         ax_e.scatter(rows["world_size"], 100 * rows["rel_error"], color=colour, label=hw,
                      zorder=3)
-        for m, p, e in zip(rows["measured"], rows["predicted"], rows["rel_error"]):
-            ax_p.annotate(f"{100 * e:+.0f}%", (m, p), textcoords="offset points", xytext=(4, 4),
-                          fontsize=7)
     lo = float(min(pairs["measured"].min(), pairs["predicted"].min())) / 1.5
     hi = float(max(pairs["measured"].max(), pairs["predicted"].max())) * 1.5
     ax_p.plot([lo, hi], [lo, hi], color="black", linewidth=1, gid=GID_GUIDE, label="y = x")
     for f in (0.8, 1.2):  # a +-20% band: where a planning model is still useful
         ax_p.plot([lo, hi], [lo * f, hi * f], color="grey", linestyle=":", linewidth=1,
                   gid=GID_GUIDE, label="_nolegend_")
-    ax_p.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi),
-             title=f"Predicted vs measured {metric} (dotted: +-20%)", xlabel="measured",
+    ax_p.set(title=f"Predicted vs measured {metric} (dotted: +-20%)", xlabel="measured",
              ylabel="predicted")
+    for axis in ("x", "y"):
+        readable_log(ax_p, axis, (lo, hi))
+    ax_p.set(xlim=(lo, hi), ylim=(lo, hi))
     # Where the predictions came from, in the figure's own title: a plot of catalogue figures
     # against this machine's measurements must not pass for a test of the calibrated model.
     sources = df.attrs.get(PROFILES_ATTR) or {}
@@ -217,14 +226,22 @@ def prediction_parity(df: pd.DataFrame, metric: str = M.TOKENS_PER_S_PER_DEVICE)
         log2_x(ax_e, pairs["world_size"])
     for ax in (ax_p, ax_e):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    # A fixed corner: the point labels below are placed around it, so it must not move after.
+    ax_p.legend(fontsize=7, loc="upper left")
+    ax_e.legend(fontsize=7)
+    # Each point's error beside it where there is room; the error panel shows every one anyway.
+    left_out = place_labels(ax_p, pairs["measured"], pairs["predicted"],
+                            [f"{100 * e:+.0f}%" for e in pairs["rel_error"]])
+    if left_out:
+        ax_p.set_title(f"{ax_p.get_title()}\n{left_out} crowded labels left out: every error "
+                       "is in the right panel", fontsize=9)
     return fig
 
 
 def pareto_points(df: pd.DataFrame) -> pd.DataFrame:
     """Completed trials with power and throughput, flagged `on_frontier` when no other trial has
     at least the throughput at no more power (measured power preferred, else modelled)."""
-    kinds = power_columns(df)
+    df, kinds = power_frame(df)
     data = completed(df).copy()
     data["power"] = np.nan
     data["power_kind"] = None
@@ -246,13 +263,15 @@ def pareto_points(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def pareto_frontier(df: pd.DataFrame) -> Figure:
-    """Global tokens/s vs total power across all trials, with the frontier of non-dominated ones."""
+    """Global tokens/s vs total power of every completed trial that has power, with the frontier
+    of non-dominated ones; the title counts what is plotted per source."""
     data = pareto_points(df)
     div, unit = power_unit(data["power"])
     fig = Figure(figsize=(7, 4.6), layout="constrained")
     ax = fig.subplots()
-    for i, (source, rows) in enumerate(data.groupby("source")):
-        ax.scatter(rows["power"] / div, rows[M.TOKENS_PER_S], color=PALETTE[i], alpha=0.7,
+    for source, rows in data.groupby("source"):
+        ax.scatter(rows["power"] / div, rows[M.TOKENS_PER_S], alpha=0.7,
+                   color=SOURCE_COLOUR.get(source, PALETTE[2]),
                    marker="o" if source == MEASURED else "x", label=source)
     front = data[data["on_frontier"]]
     ax.plot(front["power"] / div, front[M.TOKENS_PER_S], color="black", drawstyle="steps-post",
@@ -260,9 +279,16 @@ def pareto_frontier(df: pd.DataFrame) -> Figure:
     top = front.iloc[-1]
     ax.annotate(trial_label(top), (top["power"] / div, top[M.TOKENS_PER_S]), fontsize=7,
                 textcoords="offset points", xytext=(-10, 6), ha="right")
-    ax.set(xscale="log", yscale="log", title="Throughput vs power (all completed trials)",
-           xlabel=f"total GPU power ({unit})", ylabel="tokens/s")
+    done = completed(df)
+    counts = ", ".join(f"{int((data['source'] == s).sum())} of {int((done['source'] == s).sum())}"
+                       f" {s}" for s in sorted(set(done["source"])))
+    words = {power_device(rows, "total_power_w" if kind == "measured" else
+                          "total_power_w_estimated") for kind, rows in data.groupby("power_kind")}
+    device = words.pop() if len(words) == 1 else "device"
+    readable_log(ax, "x", data["power"] / div)
+    readable_log(ax, "y", data[M.TOKENS_PER_S])
+    ax.set(title=f"Throughput vs power (trials with power: {counts})",
+           xlabel=f"total {device} power ({unit})", ylabel="tokens/s")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return fig
-

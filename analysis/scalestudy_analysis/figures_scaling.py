@@ -10,18 +10,23 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from matplotlib.patches import Patch
+
 from scalestudy import metrics as M
 from scalestudy_analysis.base import (
     GID_DATA,
     GID_GUIDE,
     GID_IDEAL,
+    SOURCE_HATCH,
     FigureSkipped,
     finite,
     iter_series,
     log2_x,
     need_values,
-    power_columns,
+    power_device,
+    power_frame,
     power_unit,
+    readable_log,
 )
 
 
@@ -51,7 +56,7 @@ def throughput_scaling(df: pd.DataFrame) -> Figure:
             ideal = y[0] * ws / base_ws if col == M.TOKENS_PER_S else np.full_like(ws, y[0])
             ax.plot(ws, ideal, color=style["color"], linestyle=":", linewidth=1, gid=GID_IDEAL,
                     label="_nolegend_")
-    ax_g.set_yscale("log")
+    readable_log(ax_g, "y", [v for ln in ax_g.lines for v in ln.get_ydata()])
     ax_g.set(title="Global throughput (dotted: ideal linear)", xlabel="world size (devices)",
              ylabel="tokens/s")
     ax_d.set(title="Per-device throughput (dotted: ideal)", xlabel="world size (devices)",
@@ -131,21 +136,27 @@ def step_time_breakdown(df: pd.DataFrame) -> Figure:
     fig = Figure(figsize=(12, 4.4), layout="constrained")
     ax_b, ax_f = fig.subplots(1, 2, width_ratios=(1.4, 1))
     width = 0.8 / len(bars)
-    parts = [("compute_s", "compute", "#4c72b0"), ("exposed_s", "exposed comm", "#dd5555")]
+    # Pale fills, so the series' edge colours (the palette's strong ones) stand out against them.
+    parts = [("compute_s", "compute", "#c6d4e8"), ("exposed_s", "exposed comm", "#f4a6a6")]
     if has_bubble:
-        parts.append(("bubble_s", "pipeline bubble", "#999999"))
-    for i, (label, _source, style, rows) in enumerate(bars):
+        parts.append(("bubble_s", "pipeline bubble", "#e3e3e3"))
+    series_handles = []
+    for i, (label, source, style, rows) in enumerate(bars):
         rows = rows.groupby("world_size", as_index=False)[[p for p, _, _ in parts]].median()
         # Shares, not seconds: under strong scaling the step shrinks 100x across the sweep and
         # absolute bars would hide exactly the growing communication share at the large end.
         total = rows[[p for p, _, _ in parts]].sum(axis=1).to_numpy(float)
         pos = np.array([sizes.index(w) for w in rows["world_size"]]) - 0.4 + width * (i + 0.5)
         bottom = np.zeros(len(rows))
+        hatch = SOURCE_HATCH.get(source)
         for col, name, colour in parts:
             share = 100 * rows[col].to_numpy(float) / total
-            ax_b.bar(pos, share, width * 0.9, bottom=bottom, color=colour,
-                     edgecolor=style["color"], linewidth=1.2, label=name if i == 0 else "_nolegend_")
+            ax_b.bar(pos, share, width * 0.9, bottom=bottom, color=colour, hatch=hatch,
+                     edgecolor=style["color"], linewidth=2, label=name if i == 0 else "_nolegend_")
             bottom += share
+        # The edge colour (and hatch, for predictions) tells the series apart: a legend says which.
+        series_handles.append(Patch(facecolor="white", edgecolor=style["color"], linewidth=2,
+                                    hatch=hatch, label=label or source))
     for label, _source, style, rows in series:
         rows = rows.groupby("world_size", as_index=False)["exposed_fraction"].median()
         ax_f.plot(rows["world_size"], 100 * rows["exposed_fraction"], label=label, gid=GID_DATA,
@@ -154,10 +165,14 @@ def step_time_breakdown(df: pd.DataFrame) -> Figure:
     ax_b.set_xticklabels([str(s) for s in sizes])
     shown = "one bar per series" if len(bars) == len(series) else \
         f"{len(bars)} of {len(series)} series"
-    ax_b.set(title=f"Step time breakdown ({shown}, median; edge colour = series)",
+    ax_b.set(title=f"Step time breakdown ({shown}, median)",
              xlabel="world size (devices)", ylabel="% of step time")
     ax_b.set_ylim(0, 100)
-    ax_b.legend(fontsize=7)
+    fill = [Patch(facecolor=colour, label=name) for _, name, colour in parts]
+    edge = series_handles if len(series_handles) > 1 or any(h.get_hatch() for h in series_handles) \
+        else []
+    ax_b.legend(handles=fill + edge, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                title="fill: part; edge: series" if edge else None, title_fontsize=7)
     ax_f.set(title="Exposed communication fraction", xlabel="world size (devices)",
              ylabel="% of step time")
     ax_f.set_ylim(bottom=0)
@@ -169,27 +184,30 @@ def step_time_breakdown(df: pd.DataFrame) -> Figure:
 
 
 def power_scaling(df: pd.DataFrame) -> Figure:
-    """Total GPU power (kW) and tokens per joule vs world size: power grows with the devices even
-    where throughput stops doing so. Measured (NVML, GPU-only) and modelled (GPU-only, not
-    validated) energy are separate series."""
-    kinds = power_columns(df)
+    """Total power and tokens per joule vs world size: power grows with the devices even where
+    throughput stops doing so. Measured (NVML boards or RAPL packages) and modelled (GPU boards,
+    not validated) energy are separate series; CPU hardware has only measured power."""
+    df, kinds = power_frame(df)
     data = finite(df, M.TOKENS_PER_S)
     sizes = need_values(data, "world_size")
     div, unit = power_unit(data[[p for p, _, _ in kinds]].to_numpy().ravel())
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     ax_p, ax_e = fig.subplots(1, 2)
+    devices = set()
     for power, tpj, suffix in kinds:
         part = data.dropna(subset=[power])
         if part.empty:
             continue
+        devices.add(power_device(part, power))
         for label, _source, style, rows in iter_series(part, "world_size"):
             ax_p.plot(rows["world_size"], rows[power] / div, label=label + suffix, gid=GID_DATA,
                       **style)
             ax_e.plot(rows["world_size"], rows[tpj], label=label + suffix, gid=GID_DATA, **style)
     if not ax_p.lines:
         raise FigureSkipped("no completed trial has both throughput and power")
-    ax_p.set_yscale("log")
-    ax_p.set(title="Total GPU power", xlabel="world size (devices)", ylabel=unit)
+    device = devices.pop() if len(devices) == 1 else "device"
+    readable_log(ax_p, "y", [v for ln in ax_p.lines for v in ln.get_ydata()])
+    ax_p.set(title=f"Total {device} power", xlabel="world size (devices)", ylabel=unit)
     ax_e.set(title="Energy efficiency", xlabel="world size (devices)", ylabel="tokens per joule")
     ax_e.set_ylim(bottom=0)
     for ax in (ax_p, ax_e):

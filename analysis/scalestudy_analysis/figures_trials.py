@@ -14,6 +14,7 @@ from scalestudy import metrics as M
 from scalestudy_analysis.base import (
     GID_DATA,
     PALETTE,
+    SOURCE_HATCH,
     FigureSkipped,
     finite,
     iter_series,
@@ -48,11 +49,16 @@ def trial_overview(df: pd.DataFrame) -> Figure:
     fig = Figure(figsize=(8, 1.2 + 0.28 * len(data)), layout="constrained")
     ax = fig.subplots()
     y = np.arange(len(data))[::-1]
+    both = data["source"].nunique() > 1
+    # Colour says the status; a hatch (named in the legend) says predicted, so a prediction never
+    # passes for a measurement of the same colour.
     for status, colour in STATUS_COLOURS.items():
-        mask = (data["status"] == status).to_numpy()
-        if mask.any():
-            ax.barh(y[mask], np.nan_to_num(data["value"].to_numpy(float)[mask]), color=colour,
-                    label=status)
+        for source in sorted(set(data["source"]), key=lambda s: s != MEASURED):
+            mask = ((data["status"] == status) & (data["source"] == source)).to_numpy()
+            if mask.any():
+                ax.barh(y[mask], np.nan_to_num(data["value"].to_numpy(float)[mask]),
+                        color=colour, hatch=SOURCE_HATCH.get(source), edgecolor="white",
+                        label=f"{status}, {source}" if both else status)
     for yi, (v, status) in zip(y, zip(data["value"], data["status"])):
         if not np.isfinite(v):
             ax.text(0, yi, f" {status}", va="center", fontsize=7, color="#444444")
@@ -71,9 +77,26 @@ def memory_axis(data: pd.DataFrame) -> str:
     raise FigureSkipped("needs at least 2 values of zero_stage, world_size or tp")
 
 
+# What each memory_source counts: a measured process's resident set is not the model's tensors.
+MEMORY_SOURCES = {"process_peak_rss": "peak process RSS (the whole process)",
+                  "cuda_allocator": "peak CUDA allocator bytes",
+                  "model": "the model's tensor estimate (params, grads, optimizer, activations)"}
+
+
+def memory_sources(data: pd.DataFrame) -> list[str]:
+    """'measured: peak process RSS (...); predicted: the model's tensor estimate (...)'."""
+    parts = []
+    for source, rows in sorted(data.groupby("source"), key=lambda g: g[0] != MEASURED):
+        kinds = sorted({str(k) for k in rows.get("memory_source", pd.Series(dtype=object))
+                        if isinstance(k, str) and k})
+        what = ", ".join(MEMORY_SOURCES.get(k, k) for k in kinds) or "source not recorded"
+        parts.append(f"{source}: {what}")
+    return parts
+
+
 def memory_per_device(df: pd.DataFrame) -> Figure:
     """Peak memory per device against the axis that shards it (ZeRO stage, else world size, else
-    TP), with the device's memory capacity when the hardware profile is known."""
+    TP); the title says what each source counts (a process's RSS, a model's tensors)."""
     data = finite(df, M.PEAK_MEMORY_GIB)
     x = memory_axis(data)
     fig = Figure(figsize=(6.5, 4.2), layout="constrained")
@@ -86,7 +109,8 @@ def memory_per_device(df: pd.DataFrame) -> Figure:
     ax.set_xticks(sorted(data[x].unique()))
     ax.set_xticklabels([str(v) for v in sorted(data[x].unique())])
     ax.minorticks_off()
-    ax.set(title=f"Peak memory per device vs {x}", xlabel=x, ylabel="GiB per device")
+    ax.set(xlabel=x, ylabel="GiB per device")
+    ax.set_title("\n".join([f"Peak memory per device vs {x}", *memory_sources(data)]), fontsize=8)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     if len(ax.lines) <= 12:

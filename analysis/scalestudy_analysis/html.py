@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 import pandas as pd
 
 from scalestudy import metrics as M
-from scalestudy_analysis.base import trial_label
+from scalestudy_analysis.base import cpu_hardware, trial_label
 from scalestudy_analysis.figures import Panel
 
 TABLE_COLUMNS = (
@@ -30,6 +30,24 @@ MODELLED_ENERGY_NOTE = (
     "is the performance model's estimate of the GPUs' own power, modelled, not validated: no "
     "measured trial has been compared with it yet; the rest of each node (CPUs, NICs, fans) is the "
     "separate estimate node_overhead_power_w_estimated")
+# The same columns on CPU hardware hold the catalogue's per-core TDP figure, which no figure draws.
+CPU_MODELLED_ENERGY_NOTE = (
+    "power_w_estimated and tokens_per_j_estimated of {hw} (a CPU profile) in the table are the GPU "
+    "power model applied to the profile's typed per-core TDP and idle figures, not a model of this "
+    "machine's CPUs and never checked against a meter: no figure draws them")
+
+
+def modelled_energy_notes(df: pd.DataFrame) -> list[str]:
+    """What the modelled energy columns mean, for GPU and for CPU hardware apart."""
+    if "power_w_estimated" not in df:
+        return []
+    rows = df[df["power_w_estimated"].notna()]
+    cpus = cpu_hardware(rows)
+    out = [MODELLED_ENERGY_NOTE] if (~rows["hardware"].isin(cpus)).any() else []
+    if cpus:
+        out.append(CPU_MODELLED_ENERGY_NOTE.format(hw=", ".join(cpus)))
+    return out
+
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;
@@ -119,15 +137,16 @@ def figure_html(panel: Panel) -> str:
             f"<figcaption>{text}</figcaption></figure>")
 
 
-def versions_table(versions: dict[str, str]) -> str:
+def key_value_table(pairs: dict[str, str]) -> str:
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
-                   for k, v in versions.items())
+                   for k, v in pairs.items())
     return f"<table><tbody>{rows}</tbody></table>"
 
 
 def render(study: str, df: pd.DataFrame, panels: Iterable[Panel], *, spec_text: str | None,
            spec_source: str | None, versions: dict[str, str], data_source: str,
-           notes: Iterable[str] = ()) -> str:
+           notes: Iterable[str] = (), hardware: dict[str, str] | None = None,
+           peaks: Iterable[str] = ()) -> str:
     panels = list(panels)
     counts = ", ".join(f"{n} {s}" for s, n in df["status"].value_counts().items())
     sources = ", ".join(f"{n} {s}" for s, n in df["source"].value_counts().items())
@@ -139,12 +158,18 @@ def render(study: str, df: pd.DataFrame, panels: Iterable[Panel], *, spec_text: 
             "experiments/ with this name, none given).</p>")
     figures = "\n".join(figure_html(p) for p in drawn)
     notes_html = "".join(f"<p class='meta'>Note: {html.escape(n)}.</p>" for n in notes)
-    if "power_w_estimated" in df and df["power_w_estimated"].notna().any():
-        notes_html += f"<p class='meta'>Note: {html.escape(MODELLED_ENERGY_NOTE)}.</p>"
+    notes_html += "".join(f"<p class='meta'>Note: {html.escape(n)}.</p>"
+                          for n in modelled_energy_notes(df))
+    peaks = list(peaks)
+    peaks_html = ("<p class='meta'>MFU and HFU, in every figure and the table, are relative to "
+                  "one peak per hardware: " + html.escape("; ".join(peaks)) + ".</p>"
+                  if peaks else "")
+    host = (key_value_table(hardware) if hardware else
+            "<p class='skip'>The host's hardware was not recorded.</p>")
     skipped = "".join(f"<li>{html.escape(p.title)}: {html.escape(p.note or '')}</li>"
                       for p in panels if not p.drawn)
-    skipped_html = (f"<h3>Figures this study cannot draw</h3><ul class='skip'>{skipped}</ul>"
-                    if skipped else "")
+    skipped_html = (f"<h3>Figures left out (no data for this study or hardware)</h3>"
+                    f"<ul class='skip'>{skipped}</ul>" if skipped else "")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
@@ -153,6 +178,7 @@ def render(study: str, df: pd.DataFrame, panels: Iterable[Panel], *, spec_text: 
 <h1>Study {html.escape(study)}</h1>
 <p class="meta">{len(df)} trials ({html.escape(counts)}; {html.escape(sources)}) from
 {html.escape(data_source)}. Generated {now}.</p>
+{peaks_html}
 {notes_html}
 <p>{toc}</p>
 <h2>Figures</h2>
@@ -163,8 +189,12 @@ def render(study: str, df: pd.DataFrame, panels: Iterable[Panel], *, spec_text: 
 {results_table(df)}
 <h2>Spec</h2>
 {spec}
+<h2>Hardware</h2>
+<p class="meta">The machine that wrote this report (make demo measures on it too; the trials of a
+cluster ran on the nodes their hardware profile names).</p>
+{host}
 <h2>Software</h2>
-{versions_table(versions)}
+{key_value_table(versions)}
 <script>{JS}</script>
 </body></html>
 """

@@ -18,7 +18,7 @@ import pandas as pd
 
 from scalestudy import metrics as M
 from scalestudy.metrics import TrialResult
-from scalestudy.spec.trial import TRIAL_KEY
+from scalestudy.spec.trial import TRIAL_KEY, trial_key
 from scalestudy.track.ledger import COMM_PREFIX, Ledger, ledger_path
 from scalestudy.track.mlflow_writer import ROLE_TAG
 from scalestudy.track.mlflow_writer import tracking_uri as _writer_uri
@@ -242,15 +242,18 @@ def completed(df: pd.DataFrame) -> pd.DataFrame:
 
 def pair_predictions(df: pd.DataFrame, metric: str = M.TOKENS_PER_S_PER_DEVICE) -> pd.DataFrame:
     """Measured and predicted values of one metric for the same configuration, one row per pair,
-    with the signed relative error of the prediction (predicted / measured - 1)."""
+    with the signed relative error of the prediction (predicted / measured - 1). Rows pair by
+    trial_key, which reads a layout option missing from an older ledger (NaN) as its default."""
     done = completed(df)
     keys = [k for k in CONFIG_KEYS if k in done]
-    meas = done[done["source"] == MEASURED][keys + [metric]].rename(columns={metric: "measured"})
-    pred = done[done["source"] == PREDICTED][keys + [metric]].rename(columns={metric: "predicted"})
+    done = done.assign(_key=[trial_key(r) for r in done[keys].to_dict("records")])
     # A configuration measured twice keeps its median, so one pair per point of the design space.
-    meas = meas.groupby(keys, dropna=False, as_index=False)["measured"].median()
-    pred = pred.groupby(keys, dropna=False, as_index=False)["predicted"].median()
-    pairs = meas.merge(pred, on=keys, how="inner").dropna(subset=["measured", "predicted"])
+    meas = done[done["source"] == MEASURED]
+    pred = done[done["source"] == PREDICTED]
+    first = meas.groupby("_key", sort=False)[keys].first()
+    pairs = pd.concat([first, meas.groupby("_key")[metric].median().rename("measured"),
+                       pred.groupby("_key")[metric].median().rename("predicted")],
+                      axis=1, join="inner").dropna(subset=["measured", "predicted"])
     pairs["rel_error"] = pairs["predicted"] / pairs["measured"] - 1.0
     return pairs.reset_index(drop=True)
 

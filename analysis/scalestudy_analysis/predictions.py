@@ -8,6 +8,8 @@ were measured. Rows pair by the one trial-identity key, TRIAL_KEY.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pandas as pd
 
 from scalestudy.errors import SpecError
@@ -15,25 +17,33 @@ from scalestudy.metrics import TrialResult
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.spec.trial import config_from_row, trial_key
 from scalestudy_analysis.load import MEASURED, PREDICTED, PROFILES_ATTR, results_frame, tidy
+from scalestudy_analysis.profiles import is_calibrated, measured_against
 
-
-def is_calibrated(hw: HardwareProfile) -> bool:
-    """Whether `scalestudy calibrate` measured this profile (its GEMM curve is measured, never typed)."""
-    return any(k.startswith("gemm_tflops_") for k in hw.calibration)
+Profiles = HardwareProfile | Mapping[str, HardwareProfile] | None
 
 
 def profile_label(hw: HardwareProfile) -> str:
-    if is_calibrated(hw):
-        return f"{hw.name}, calibrated ({hw.description.rsplit('(calibrated', 1)[-1].strip(' )')})"
-    return f"{hw.name}, UNCALIBRATED catalogue figures"
+    return f"{hw.name}, {measured_against(hw)}"
 
 
-def predicted_twins(df: pd.DataFrame, profile: HardwareProfile | None = None
+def _by_name(profile: Profiles) -> dict[str, HardwareProfile]:
+    if profile is None:
+        return {}
+    if isinstance(profile, HardwareProfile):
+        return {profile.name: profile}
+    return {k: v for k, v in profile.items() if v is not None}
+
+
+def predicted_twins(df: pd.DataFrame, profile: Profiles = None,
+                    labels: Mapping[str, str] | None = None
                     ) -> tuple[pd.DataFrame, str | None, dict[str, str]]:
     """(predicted rows for the measured configurations that have none yet, note, {hardware: label of
-    the profile that predicted it}). Rows of `profile`'s hardware name are predicted with `profile`
-    (a calibrated one: `scalestudy report --profile`), others with the catalogue's. The note says
-    what was done or why nothing was (no model, no rebuildable configuration)."""
+    the profile that predicted it}). Rows of a hardware name `profile` covers (one profile, or a
+    mapping hardware -> profile: a calibrated one from `scalestudy report --profile` or found under
+    the results root) are predicted with it, others with the catalogue's; `labels` may name a
+    hardware's profile (with its path). The note says what was done or why nothing was (no model,
+    no rebuildable configuration)."""
+    profiles, labels = _by_name(profile), dict(labels or {})
     from scalestudy.spec.trial import Backend
 
     try:
@@ -50,15 +60,14 @@ def predicted_twins(df: pd.DataFrame, profile: HardwareProfile | None = None
         if key in have:
             continue
         try:
-            cfg = config_from_row(row, profile if profile and row["hardware"] == profile.name
-                                  else None)
+            cfg = config_from_row(row, profiles.get(row["hardware"]))
         except (SpecError, ValueError):  # outside the catalogue, or a row of an older schema
             skipped += 1
             continue
         # Priced as the measured trial ran: AutoTP, as parallelism.py prices the measure backend.
         autotp = params_for(cfg.hardware_profile, tp_all_reduce_per_linear=True)
         out.append(predict(cfg.model_copy(update={"backend": Backend.simulate}), params=autotp))
-        used[cfg.hardware] = profile_label(cfg.hardware_profile)
+        used[cfg.hardware] = labels.get(cfg.hardware) or profile_label(cfg.hardware_profile)
         have.add(key)
     if not out:
         return df.iloc[0:0], None, used
@@ -70,13 +79,16 @@ def predicted_twins(df: pd.DataFrame, profile: HardwareProfile | None = None
     return results_frame(out), note, used
 
 
-def with_predictions(df: pd.DataFrame, profile: HardwareProfile | None = None
-                     ) -> tuple[pd.DataFrame, str | None]:
+def with_predictions(df: pd.DataFrame, profile: Profiles = None,
+                     labels: Mapping[str, str] | None = None) -> tuple[pd.DataFrame, str | None]:
     """df and the predicted twins of its measured rows; df.attrs[PROFILES_ATTR] names the profile
     each hardware's predictions came from (the parity figure's title shows it)."""
-    twins, note, used = predicted_twins(df, profile)
+    twins, note, used = predicted_twins(df, profile, labels)
     if twins.empty:
         return df, note
     out = tidy(pd.concat([df, twins], ignore_index=True))
     out.attrs[PROFILES_ATTR] = used
     return out, note
+
+
+__all__ = ["is_calibrated", "predicted_twins", "profile_label", "with_predictions"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import platform as _stdlib_platform  # the stdlib module; our `platform/` dir is no package
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -15,15 +16,20 @@ import pandas as pd
 
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.track.mlflow_writer import ROLE_TAG
+from scalestudy_analysis.base import CHOSEN_ATTR
 from scalestudy_analysis.figures import Panel, draw_all, save_pngs
+from scalestudy_analysis.host import host_hardware
 from scalestudy_analysis.html import render
 from scalestudy_analysis.load import (
+    MEASURED,
     StudyNotFound,
     find_spec,
     load_study,
     resolve_tracking_uri,
     store_exists,
 )
+from scalestudy_analysis.peaks import one_peak, peak_notes
+from scalestudy_analysis.profiles import ChosenProfile, catalogue_choice, choose_profiles
 
 REPORT_FILE = "report.html"
 ARTIFACT_DIR = "report"
@@ -38,6 +44,8 @@ class Report:
     panels: list[Panel]
     mlflow_run_id: str | None = None  # the parent run the report was logged to
     notes: list[str] = field(default_factory=list)
+    frame: pd.DataFrame | None = field(default=None, repr=False)  # what the figures drew
+    profiles: dict[str, ChosenProfile] = field(default_factory=dict)  # per hardware name
 
     @property
     def figures_drawn(self) -> int:
@@ -57,16 +65,26 @@ def software_versions() -> dict[str, str]:
 
 def write_report(df: pd.DataFrame, out_dir: str | Path, study: str, *,
                  spec_text: str | None = None, spec_source: str | None = None,
-                 data_source: str = "a DataFrame", notes: list[str] | None = None) -> Report:
+                 data_source: str = "a DataFrame", notes: list[str] | None = None,
+                 profiles: Mapping[str, ChosenProfile] | None = None) -> Report:
+    """report.html and the PNGs of df. Every MFU and HFU is recomputed against one peak per
+    hardware and precision: that of `profiles` (what report_study chose), else the catalogue's."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    chosen = dict(profiles or {})
+    for name in sorted(set(df["hardware"].dropna().astype(str)) - set(chosen)):
+        chosen[name] = catalogue_choice(name)
+    df = one_peak(df, chosen)
+    df.attrs[CHOSEN_ATTR] = chosen
     panels = draw_all(df)
     pngs = save_pngs(panels, out)
     text = render(study, df, panels, spec_text=spec_text, spec_source=spec_source,
-                  versions=software_versions(), data_source=data_source, notes=notes or [])
+                  versions=software_versions(), data_source=data_source, notes=notes or [],
+                  hardware=host_hardware(), peaks=peak_notes(df))
     path = out / REPORT_FILE
     path.write_text(text, encoding="utf-8")
-    return Report(path=path, pngs=pngs, panels=panels, notes=list(notes or []))
+    return Report(path=path, pngs=pngs, panels=panels, notes=list(notes or []), frame=df,
+                  profiles=chosen)
 
 
 def _spec_of(study: str, spec_path: str | Path | None):
@@ -145,8 +163,10 @@ def report_study(study: str, out_dir: str | Path | None = None, *,
     (default reports/<study>/) and log them to the study's latest parent MLflow run, if any.
 
     predictions: add the performance model's prediction of every measured configuration the
-    study has no prediction for (computed now, marked as such), so the parity figure has data;
-    with `profile` (a `scalestudy calibrate` profile) for the trials of its hardware name.
+    study has no prediction for (computed now, marked as such), so the parity figure has data.
+    The profile of each hardware (it predicts, and its peak is every MFU's): `profile` for the
+    trials of its name (`--profile`), else the newest calibrated or fitted profile of that name
+    under results_root (profiles.py), else the catalogue's; the report says which.
     Raises StudyNotFound when neither store has the study. MLflow trouble never loses the report:
     it becomes a note on the returned Report.
     """
@@ -169,15 +189,24 @@ def report_study(study: str, out_dir: str | Path | None = None, *,
     if spec_text is None and run_id is not None:
         spec_text = logged_spec(run_id)
         spec_source = f"spec.yaml of MLflow run {run_id}" if spec_text else None
+    # Which profile predicts each hardware and sets its MFU peak: the one given, else the newest
+    # calibrated one under the results root (what `make demo` writes), else the catalogue's.
+    chosen = choose_profiles(set(df["hardware"].dropna().astype(str)), results_root, study,
+                             given=profile)
+    measured = set(df.loc[df["source"] == MEASURED, "hardware"].astype(str))
+    notes.extend(c.sentence(results_root, predicts=predictions and h in measured)
+                 for h, c in chosen.items())
     if predictions:
         from scalestudy_analysis.predictions import with_predictions
 
-        df, note = with_predictions(df, profile)
+        df, note = with_predictions(
+            df, {h: c.profile for h, c in chosen.items() if c.profile is not None},
+            {h: c.label for h, c in chosen.items()})
         if note:
             notes.append(note)
     out = Path(out_dir) if out_dir else Path("reports") / study
     report = write_report(df, out, study, spec_text=spec_text, spec_source=spec_source,
-                          data_source=data_source, notes=notes)
+                          data_source=data_source, notes=notes, profiles=chosen)
     if log_to_mlflow and run_id is not None:
         try:
             log_report(report, run_id, uri)

@@ -15,7 +15,8 @@ from scalestudy_analysis.base import (
     finite,
     generation_order,
     iter_series,
-    power_columns,
+    power_device,
+    power_frame,
     trial_label,
     varies,
 )
@@ -145,7 +146,8 @@ def step_time_breakdown(df: pd.DataFrame) -> list[str]:
 
 
 def power_scaling(df: pd.DataFrame) -> list[str]:
-    power, tpj, suffix = power_columns(df)[0]  # measured energy when the study has it
+    df, kinds = power_frame(df)
+    power, tpj, suffix = kinds[0]  # measured energy when the study has it
     data = finite(df, M.TOKENS_PER_S, power)
     label, rows = _pick(data, "world_size")
     w0, w1, p0, p1 = _ends(rows, "world_size", power)
@@ -154,7 +156,8 @@ def power_scaling(df: pd.DataFrame) -> list[str]:
     w0, w1 = int(w0), int(w1)
     kind = " (modelled, not validated)" if suffix else ""
     return [
-        f"From {w0} to {devices(w1)} total GPU power{kind} grows {p1 / p0:.3g}x ({fmt_power(p0)} to "
+        f"From {w0} to {devices(w1)} total {power_device(data, power)} power{kind} grows "
+        f"{p1 / p0:.3g}x ({fmt_power(p0)} to "
         f"{fmt_power(p1)}) while global throughput grows {t1 / t0:.3g}x{_label(label)}.",
         f"Tokens per joule {'rise' if e1 >= e0 else 'fall'} by {abs(e1 / e0 - 1):.0%} "
         f"({fmt_num(e0)} to {fmt_num(e1)} tokens/J).",
@@ -264,7 +267,8 @@ def pareto_frontier(df: pd.DataFrame) -> list[str]:
         f"The fastest, {trial_label(top, wide)}, reaches {fmt_num(top[M.TOKENS_PER_S])} tokens/s at "
         f"{fmt_power(top['power'])}; the most energy-efficient frontier point, "
         f"{trial_label(eff, wide)}, delivers {fmt_num(tpj.max())} tokens/J"
-        + (" (GPU power modelled, not validated)." if modelled else " (GPU power measured)."),
+        + (" (GPU power modelled, not validated)." if modelled else
+           f" ({power_device(front, 'total_power_w')} power measured)."),
     ]
 
 

@@ -110,6 +110,26 @@ def test_report_sentences_come_from_the_data(report, quickstart):
     assert all(len(p.sentences) == 2 for p in report.panels if p.drawn)
 
 
+def test_a_cpu_study_has_no_gpu_panel_and_names_its_host(report):
+    """Issue 31: the quick-start runs on CPU cores; no drawn panel is titled or labelled with GPU,
+    the power panels are left out with their one-line reason, and the host's CPU is named."""
+    from scalestudy_analysis.host import cpu_model
+
+    for panel in (p for p in report.panels if p.drawn):
+        fig = panel.figure
+        texts = [panel.title, fig._suptitle.get_text() if fig._suptitle else ""]
+        for ax in fig.axes:
+            texts += [ax.get_title(), ax.get_xlabel(), ax.get_ylabel()]
+            legend = ax.get_legend()
+            texts += [t.get_text() for t in (legend.get_texts() if legend else [])]
+        assert not [t for t in texts if "GPU" in t], (panel.name, texts)
+    left = {p.name: p.note for p in report.panels if not p.drawn}
+    assert "is a CPU profile" in left["power_scaling"], left
+    text = report.path.read_text()
+    assert f"<td>cpu</td><td>{cpu_model()}</td>" in text
+    assert "MFU and HFU, in every figure and the table, are relative to one peak" in text
+
+
 def test_report_logged_to_the_parent_run(report, tracked):
     from mlflow.tracking import MlflowClient
 

@@ -133,7 +133,8 @@ def test_prediction_parity_one_point_per_pair(scaling):
     ax_parity, ax_err = C.prediction_parity(scaling).axes
     (points,) = ax_parity.collections
     assert len(points.get_offsets()) == 8  # 4 world sizes x 2 ZeRO stages
-    assert len(ax_parity.texts) == 8 and ax_parity.texts[0].get_text() == "+10%"
+    # The synthetic ZeRO stages run at one speed: 4 distinct spots, each labelled once
+    assert len(ax_parity.texts) == 4 and ax_parity.texts[0].get_text() == "+10%"
     assert len(ax_err.collections) == 1
 
 

@@ -88,6 +88,21 @@ def test_pairs_match_configurations_across_backends():
     assert pairs["rel_error"].tolist() == pytest.approx([0.1, 0.1])  # synthetic: +10%
 
 
+def test_a_ledger_older_than_a_layout_option_still_pairs():
+    """A measured row written before a layout option existed has NaN in its column; the option's
+    default is what it ran, so it pairs with a prediction that records the default."""
+    from scalestudy.spec.trial import LAYOUT_DEFAULTS
+
+    df = results_frame(synthetic_results(world_sizes=(8, 16), backends=("measure", "simulate")))
+    old = df["source"] == MEASURED
+    for name in LAYOUT_DEFAULTS:
+        if name in df:
+            df[name] = df[name].astype(object)
+            df.loc[old, name] = math.nan
+    pairs = pair_predictions(df)
+    assert pairs["world_size"].tolist() == [8, 16]
+
+
 def test_find_spec_by_study_name(tmp_path):
     (tmp_path / "a.yaml").write_text("name: other\n")
     (tmp_path / "sub").mkdir()
