@@ -58,13 +58,15 @@ figures: $(STAMP)
 # A freshly booted GPU machine (NVIDIA driver, CUDA torch, deepspeed and transformers present): calibrate
 # the local GPUs, measure a short study through the torchrun adapter, predict it, print one table and
 # write results/gpu-check/. No Ray, no MLflow: only the project itself (--no-deps) and its small
-# pure-Python dependencies are installed, into the machine's own Python. Exits 2 without a CUDA device.
+# pure-Python dependencies are installed, into the machine's own Python, at the versions of
+# cluster/constraints.txt (what the tests ran). Exits 2 without a CUDA device, or with a driver older
+# than torch's CUDA. A trial past its limit is killed with all of torchrun's ranks.
 GPU_PYTHON ?= python3
 gpu-check:
 	@$(GPU_PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 2)" 2>/dev/null \
 		|| { echo "gpu-check: no CUDA device is visible to torch on this machine; nothing to check" >&2; exit 2; }
 	$(GPU_PYTHON) -m pip install --quiet --no-deps -e .
-	$(GPU_PYTHON) -m pip install --quiet "pydantic>=2.6" "pyyaml>=6" "typer>=0.12" "rich>=13" "nvidia-ml-py>=12"
+	$(GPU_PYTHON) -m pip install --quiet -c cluster/constraints.txt pydantic pyyaml typer rich nvidia-ml-py
 	$(GPU_PYTHON) -m scalestudy.calibrate.gpucheck
 
 clean:

@@ -40,7 +40,7 @@ def ray_session(tmp_path_factory):
     layout tests can be scheduled on a 2-core machine; oversubscription only slows them down."""
     import ray
 
-    from scalestudy.train.launch import ensure_ray
+    from scalestudy.launch.ray_train import ensure_ray
 
     os.environ.pop("RAY_ADDRESS", None)
     ensure_ray(num_cpus=4, resources={"trial_driver": 4},
@@ -56,9 +56,10 @@ def ray_storage(tmp_path_factory) -> Path:
 
 def trial(overrides: list[str], spec: Path = QUICKSTART):
     """The single TrialConfig of the quickstart spec with `--set` style overrides."""
-    from scalestudy.spec.load import load_spec, plan
+    from scalestudy.spec.load import load_spec
+    from scalestudy.plan import plan_study
 
-    planned = plan(load_spec(spec, overrides))
+    planned = plan_study(load_spec(spec, overrides))
     assert len(planned) == 1, [p.axes for p in planned]
     assert planned[0].feasible, planned[0].reason
     return planned[0].config
@@ -68,13 +69,14 @@ def trial(overrides: list[str], spec: Path = QUICKSTART):
 def quickstart_sweep(ray_session, tmp_path_factory):
     """The quick-start study, swept for real once per session (Tune x Train x DeepSpeed, MLflow in a
     temp sqlite store). Returns (outcome, results_root, tracking_uri)."""
-    from scalestudy.spec.load import load_spec, plan
+    from scalestudy.spec.load import load_spec
+    from scalestudy.plan import plan_study
     from scalestudy.sweep.driver import run_sweep
 
     root = tmp_path_factory.mktemp("quickstart")
     uri = f"sqlite:///{root / 'mlflow.db'}"
     spec = load_spec(QUICKSTART, [f"tracking.mlflow_uri={uri}"])
-    outcome = run_sweep(spec, plan(spec), QUICKSTART.read_text(), max_concurrent=1,
+    outcome = run_sweep(spec, plan_study(spec), QUICKSTART.read_text(), max_concurrent=1,
                         results_root=root / "results", show_progress=False)
     return outcome, root / "results", uri
 

@@ -26,6 +26,7 @@ HEADLINE_TEMPLATE, HEADLINE = "headline_template.md", "headline.md"
 # (axes of which one must be swept, the figures that then head the study); first match wins.
 # Energy first: the power study sweeps world size (and maybe models) too, but its point is energy.
 RULES: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (("ensemble",), ("ensemble_comparison",)),  # one large model or several smaller ones
     (("power",), ("power_scaling", "pareto_frontier")),
     (("hardware",), ("hardware_generations", "throughput_scaling")),
     (("tp", "pp"), ("parallelism_degrees",)),
@@ -38,6 +39,8 @@ RULES: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
 def swept_axes(spec_data: dict) -> set[str]:
     """Axes given as lists of more than one value; `power` when the study is about energy."""
     axes = {k for k, v in spec_data.items() if isinstance(v, list) and len(v) > 1}
+    if spec_data.get("ensemble"):  # the comparison is the point, whatever else it sweeps
+        axes.add("ensemble")
     if "power" in str(spec_data.get("name", "")).lower():
         axes.add("power")
     return axes

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from scalestudy.spec.trial import TrialConfig, config_columns
+from scalestudy.spec.trial import PlannedTrial, TrialConfig, config_columns
 
 NAN = float("nan")
 
@@ -32,6 +32,11 @@ COMM_EXPOSED_FRACTION = "comm_exposed_fraction"
 COMPUTE_TIME_S = "compute_time_s"
 BUBBLE_TIME_S = "bubble_time_s"
 STEP_TIME_S_PROFILED = "step_time_s_profiled"  # profiled window, perturbed: never for throughput
+# Pipelines (pp > 1; train/pipeline_summary.py defines them): the share of a stage's time in the
+# schedule it spends idle, the mean over stages; the busiest stage's compute over the mean stage's.
+# Per stage (compute, bubble, p2p wait, peak memory): TrialResult.pipeline_stages.
+BUBBLE_FRACTION = "bubble_fraction"
+STAGE_IMBALANCE = "stage_imbalance"
 # Device busy-ness over the timed window: NVML utilization % (GPU) / CPU-seconds per wall second (CPU)
 DEVICE_UTILIZATION_PCT = "device_utilization_pct"
 CPU_UTILIZATION_CORES = "cpu_utilization_cores"
@@ -76,13 +81,59 @@ TRAIN_STEP_TIME_S = "train/step_time_s"
 SCALAR_METRICS: tuple[str, ...] = (
     STEP_TIME_S, STEP_TIME_P90_S, TOKENS_PER_S, TOKENS_PER_S_PER_DEVICE, MODEL_TFLOPS_PER_DEVICE,
     MFU, HFU, COMM_TIME_S, COMM_EXPOSED_S, COMM_EXPOSED_FRACTION, COMPUTE_TIME_S, BUBBLE_TIME_S,
-    STEP_TIME_S_PROFILED,
+    STEP_TIME_S_PROFILED, BUBBLE_FRACTION, STAGE_IMBALANCE,
     DEVICE_UTILIZATION_PCT, CPU_UTILIZATION_CORES, PEAK_MEMORY_GIB, PEAK_MEMORY_RESERVED_GIB,
     DEVICE_MEMORY_USED_GIB,
     POWER_W, ENERGY_J, ENERGY_PER_TOKEN_J, TOKENS_PER_J,
     POWER_W_ESTIMATED, ENERGY_J_ESTIMATED, ENERGY_PER_TOKEN_J_ESTIMATED, TOKENS_PER_J_ESTIMATED,
     LOSS_FIRST, LOSS_LAST, WALL_TIME_S, TIME_TO_FIRST_STEP_S, RESTARTS, TIME_LOST_S,
 )
+
+
+# One large model or several smaller ones at once (issue 36: plan/ensemble.py, sweep/ensemble.py,
+# perfmodel/ensemble.py). Rows of one comparison (the single model on N devices and, per member count
+# k, k members on N / k each) share ENSEMBLE_ID; ENSEMBLE_K and MEMBER_INDEX place a row in it.
+ENSEMBLE_ID = "ensemble_id"
+ENSEMBLE_ROLE = "ensemble_role"
+ENSEMBLE_K = "ensemble_k"
+MEMBER_INDEX = "member_index"
+TOKEN_BUDGET = "token_budget"  # tokens each model trains on (the spec's ensemble.token_budget)
+# The timed window of a measured trial, epoch seconds of rank 0's clock: members' overlap is read off it.
+TIMED_WINDOW_START_EPOCH_S = "timed_window_start_epoch_s"
+TIMED_WINDOW_END_EPOCH_S = "timed_window_end_epoch_s"
+# Per trial. Energy is the row's own: measured (nvml, rapl) or modelled (model: the *_estimated
+# figures); a meter shared by several trials (RAPL: the whole machine) is attributed to each by its
+# share of the devices running then. Model FLOPs per joule compares models of different sizes fairly;
+# device-seconds per token is the fallback where no energy figure exists (named so, never as joules).
+ENERGY_ATTRIBUTED_J = "energy_attributed_j"
+MODEL_FLOPS_PER_J = "model_flops_per_j"
+DEVICE_S_PER_TOKEN = "device_s_per_token"
+TIME_TO_BUDGET_S = "time_to_budget_s"  # token_budget / tokens_per_s
+ENERGY_TO_BUDGET_J = "energy_to_budget_j"  # token_budget x attributed energy per token
+# Per group of trials run together (the same on each of its rows): the single model is a group of
+# one. Aggregate throughput is the members' sum; per joule, their sums over their energy; time to the
+# budget the slowest member's, energy to it the sum (every member trains on token_budget tokens).
+ENSEMBLE_OVERLAP_FRACTION = "ensemble_overlap_fraction"  # all members in their window / shortest one
+ENSEMBLE_TOKENS_PER_S = "ensemble_tokens_per_s"
+ENSEMBLE_TOKENS_PER_J = "ensemble_tokens_per_j"
+ENSEMBLE_MODEL_FLOPS_PER_J = "ensemble_model_flops_per_j"
+ENSEMBLE_MODEL_FLOPS_PER_DEVICE_S = "ensemble_model_flops_per_device_s"
+ENSEMBLE_DEVICE_S_PER_TOKEN = "ensemble_device_s_per_token"
+ENSEMBLE_TIME_TO_BUDGET_S = "ensemble_time_to_budget_s"
+ENSEMBLE_ENERGY_TO_BUDGET_J = "ensemble_energy_to_budget_j"
+ENSEMBLE_ENERGY_SOURCE = "ensemble_energy_source"
+ENSEMBLE_METRICS: tuple[str, ...] = (
+    ENSEMBLE_K, MEMBER_INDEX, TOKEN_BUDGET, TIMED_WINDOW_START_EPOCH_S, TIMED_WINDOW_END_EPOCH_S,
+    ENERGY_ATTRIBUTED_J, MODEL_FLOPS_PER_J, DEVICE_S_PER_TOKEN, TIME_TO_BUDGET_S, ENERGY_TO_BUDGET_J,
+    ENSEMBLE_OVERLAP_FRACTION, ENSEMBLE_TOKENS_PER_S, ENSEMBLE_TOKENS_PER_J, ENSEMBLE_MODEL_FLOPS_PER_J,
+    ENSEMBLE_MODEL_FLOPS_PER_DEVICE_S, ENSEMBLE_DEVICE_S_PER_TOKEN, ENSEMBLE_TIME_TO_BUDGET_S,
+    ENSEMBLE_ENERGY_TO_BUDGET_J,
+)
+
+
+def search_metric(name: str | None) -> str:
+    """The metric a search optimises: the spec's `search.metric`, by default per-device throughput."""
+    return name or TOKENS_PER_S_PER_DEVICE
 
 
 # Collective kinds, as DeepSpeed and torch.distributed name them after kind_of (measure/overlap.py)
@@ -93,6 +144,15 @@ ALL_TO_ALL = "all_to_all"
 BROADCAST = "broadcast"
 REDUCE = "reduce"
 SEND_RECV = "send_recv"
+GATHER = "gather"
+SCATTER = "scatter"
+BARRIER = "barrier"  # moves no payload: counted, never in bandwidth
+OTHER = "other"  # a collective kind_of could not name
+# Every kind a trace or DeepSpeed's comms logger is mapped to (measure/overlap.py kind_of).
+COLLECTIVE_KINDS: tuple[str, ...] = (
+    ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE, ALL_TO_ALL, SEND_RECV, GATHER, SCATTER,
+    BARRIER, OTHER,
+)
 # The collectives calibrate benchmarks (busbw_gbps_<kind> curves of a profile), in this order.
 CALIBRATED_COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)
 
@@ -113,6 +173,13 @@ def busbw_factor(kind: str, group_size: int) -> float:
     if kind in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL):
         return (n - 1) / n
     return 1.0
+
+
+class EnsembleRole(str, Enum):
+    """A row's part in an ensemble comparison: the single model on all N devices, or a member."""
+
+    single = "single"
+    member = "member"
 
 
 class Status(str, Enum):
@@ -148,6 +215,8 @@ class TrialResult(ConfigColumns):
 
     status: Status
     reason: str | None = None
+    # Which rule refused an infeasible trial (scalestudy.errors.ReasonClass), the same in every command
+    reason_class: str | None = None
 
     step_time_s: float = NAN
     step_time_p90_s: float = NAN
@@ -163,6 +232,11 @@ class TrialResult(ConfigColumns):
     bubble_time_s: float = NAN
     comm: dict[str, CollectiveStats] = Field(default_factory=dict)
     step_time_s_profiled: float = NAN
+    bubble_fraction: float = NAN
+    stage_imbalance: float = NAN
+    # Per pipeline stage (pp > 1), in stage order: stage, blocks, forward_s, backward_s, busy_s and
+    # p2p_wait_s per step, bubble_fraction, peak_memory_gib (train/pipeline_summary.StageReading).
+    pipeline_stages: list[dict[str, Any]] = Field(default_factory=list)
     device_utilization_pct: float = NAN
     cpu_utilization_cores: float = NAN
     peak_memory_gib: float = NAN
@@ -192,16 +266,55 @@ class TrialResult(ConfigColumns):
     losses: list[float] = Field(default_factory=list)
     missing: dict[str, str] = Field(default_factory=dict)  # metric -> why it is NaN
     extra: dict[str, Any] = Field(default_factory=dict)  # backend-specific details (e.g. ds config)
+    # One large model or several smaller ones (issue 36): None / NaN outside an ensemble study.
+    ensemble_id: str | None = None
+    ensemble_role: EnsembleRole | None = None
+    ensemble_k: int | None = None
+    member_index: int | None = None
+    token_budget: float = NAN
+    timed_window_start_epoch_s: float = NAN
+    timed_window_end_epoch_s: float = NAN
+    energy_attributed_j: float = NAN
+    model_flops_per_j: float = NAN
+    device_s_per_token: float = NAN
+    time_to_budget_s: float = NAN
+    energy_to_budget_j: float = NAN
+    ensemble_overlap_fraction: float = NAN
+    ensemble_tokens_per_s: float = NAN
+    ensemble_tokens_per_j: float = NAN
+    ensemble_model_flops_per_j: float = NAN
+    ensemble_model_flops_per_device_s: float = NAN
+    ensemble_device_s_per_token: float = NAN
+    ensemble_time_to_budget_s: float = NAN
+    ensemble_energy_to_budget_j: float = NAN
+    ensemble_energy_source: str | None = None
 
     @classmethod
     def from_config(cls, cfg: TrialConfig, status: Status, **fields: Any) -> TrialResult:
-        return cls(**cfg.config_fields(), status=status, **fields)
+        return cls(**{**cfg.config_fields(), **fields}, status=status)
+
+    @classmethod
+    def refused(cls, planned: PlannedTrial, **fields: Any) -> TrialResult:
+        """The row of a planned trial that its verdict refused: its reason, the rule's class and,
+        when the plan made one (plan.PlanEntry.memory), the memory estimate as the peak."""
+        memory = getattr(planned, "memory", None)
+        if memory is not None:
+            fields = {PEAK_MEMORY_GIB: memory.total_gib, "memory_source": "model", **fields}
+        rc = planned.reason_class
+        return cls.from_config(planned.config, Status.infeasible, reason=planned.reason,
+                               reason_class=rc.value if rc is not None else None, **fields)
 
     def scalar_metrics(self) -> dict[str, float]:
         """Finite scalar metrics plus flattened per-collective ones (`comm/<kind>/<stat>`)."""
         out = {m: getattr(self, m) for m in SCALAR_METRICS if math.isfinite(getattr(self, m))}
+        out.update({m: v for m in ENSEMBLE_METRICS  # None outside an ensemble study
+                    if (v := getattr(self, m)) is not None and math.isfinite(v)})
         for kind, stats in self.comm.items():
             for stat, value in stats.model_dump().items():
                 if math.isfinite(value):
                     out[f"comm/{kind}/{stat}"] = value
+        for stage in self.pipeline_stages:  # `stage/<i>/<figure>`, as MLflow metrics
+            for stat, value in stage.items():
+                if stat != "stage" and isinstance(value, (int, float)) and math.isfinite(value):
+                    out[f"stage/{stage['stage']}/{stat}"] = float(value)
         return out

@@ -31,11 +31,12 @@ def platform_run() -> dict:
 def plain_loop() -> float:
     import torch
 
-    from scalestudy.spec.load import load_spec, plan
+    from scalestudy.spec.load import load_spec
+    from scalestudy.plan import plan_study
     from scalestudy.train.data import global_batch
     from scalestudy.train.model_factory import build_model
 
-    cfg = plan(load_spec(REPO / "experiments/quickstart.yaml", SETS))[0].config
+    cfg = plan_study(load_spec(REPO / "experiments/quickstart.yaml", SETS))[0].config
     torch.set_num_threads(1)  # as in a Ray worker with one CPU
     model = build_model(cfg.model_dims, cfg.seed).to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
@@ -53,10 +54,11 @@ def plain_loop() -> float:
 
 
 def instrumented_vs_not() -> tuple[float, float]:
-    from scalestudy.spec.load import load_spec, plan
-    from scalestudy.train.launch import ensure_ray, run_trial
+    from scalestudy.spec.load import load_spec
+    from scalestudy.plan import plan_study
+    from scalestudy.launch.ray_train import ensure_ray, run_trial
 
-    cfg = plan(load_spec(REPO / "experiments/quickstart.yaml", SETS))[0].config
+    cfg = plan_study(load_spec(REPO / "experiments/quickstart.yaml", SETS))[0].config
     ensure_ray()
     store = REPO / "results" / "bench" / "ray"
     off = run_trial(cfg, store, instrument=False)

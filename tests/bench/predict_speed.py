@@ -25,7 +25,8 @@ REPO = Path(__file__).parents[2]
 sys.path.insert(0, str(REPO))
 
 from scalestudy.perfmodel.predict import predict, predict_many, predict_planned  # noqa: E402
-from scalestudy.spec.load import load_spec, plan  # noqa: E402
+from scalestudy.spec.load import load_spec  # noqa: E402
+from scalestudy.plan import plan_study  # noqa: E402
 
 TARGET_S = 1.0
 
@@ -50,7 +51,7 @@ def run_path(path: str, n: int) -> None:
     """Both workloads through one path, in this (fresh) process; prints a CPU line for main()."""
     planned = []
     for name in ("model_parallel", "fsdp_scaling", "compute_workload", "hardware_generations"):
-        planned += plan(load_spec(REPO / "experiments" / "paper" / f"{name}.yaml"))
+        planned += plan_study(load_spec(REPO / "experiments" / "paper" / f"{name}.yaml"))
     trials = (planned * (n // len(planned) + 1))[:n]
     paper = _timed(f"paper studies ({len(planned)} distinct trials), {path}", path, trials,
                    predict_planned)

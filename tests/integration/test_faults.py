@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from scalestudy.metrics import Status
-from scalestudy.spec.load import load_spec, plan
+from scalestudy.spec.load import load_spec
+from scalestudy.plan import plan_study
 from scalestudy.sweep.driver import FAULT_ENV, run_sweep
 from scalestudy.track.ledger import Ledger
 
@@ -48,7 +49,7 @@ def _sweep_in_thread(spec_path: Path, root: Path) -> tuple[threading.Thread, dic
     box: dict = {}
 
     def _run() -> None:
-        box["outcome"] = run_sweep(spec, plan(spec), spec_path.read_text(), max_concurrent=1,
+        box["outcome"] = run_sweep(spec, plan_study(spec), spec_path.read_text(), max_concurrent=1,
                                    results_root=root, show_progress=False)
 
     thread = threading.Thread(target=_run, daemon=True)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from scalestudy.metrics import Status, TrialResult
-from scalestudy.train.launch import run_trial
+from scalestudy.launch.ray_train import run_trial
 from tests.conftest import QUICKSTART, REPO, trial
 
 SETS = ["world_size=2", "zero_stage=3", "precision=fp32", "micro_batch=2",

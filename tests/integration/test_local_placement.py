@@ -1,5 +1,5 @@
 """A Ray instance started by the process itself has fixed resources and no autoscaler: a trial it can
-never hold is turned away at once as a placement timeout (train/placement.py), where it waited
+never hold is turned away at once as a placement timeout (launch/placement.py), where it waited
 placement_timeout_s (30 min by default) for nodes that could not come."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import subprocess
 import time
 
 from scalestudy.metrics import Status
-from scalestudy.spec.load import load_spec, plan
+from scalestudy.spec.load import load_spec
+from scalestudy.plan import plan_study
 from scalestudy.sweep.driver import DONE_STATUSES, run_sweep
 from tests.conftest import REPO
 from tests.integration.local_cluster import BIN
@@ -39,7 +40,7 @@ def test_a_sweep_turns_away_a_trial_larger_than_its_ray(ray_session, tmp_path, m
     spec = load_spec(REPO / "experiments/quickstart.yaml",
                      ["name=toolarge", "world_size=8", "zero_stage=0", "tracking.mlflow_uri=null"])
     t0 = time.time()
-    out = run_sweep(spec, plan(spec), "spec", results_root=tmp_path / "results",
+    out = run_sweep(spec, plan_study(spec), "spec", results_root=tmp_path / "results",
                     show_progress=False)
     (result,) = out.results
     assert result.status is Status.timeout and result.status not in DONE_STATUSES  # --resume retries

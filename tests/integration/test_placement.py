@@ -65,7 +65,7 @@ def _run_config(head, cfg_file, cwd) -> TrialResult:
     """run_trial on a TrialConfig as given, past the planner's checks."""
     code = ("import pathlib, sys\n"
             "from scalestudy.spec.trial import TrialConfig\n"
-            "from scalestudy.train.launch import ensure_ray, run_trial\n"
+            "from scalestudy.launch.ray_train import ensure_ray, run_trial\n"
             "cfg = TrialConfig.model_validate_json(pathlib.Path(sys.argv[1]).read_text())\n"
             "ensure_ray()\n"
             "print(run_trial(cfg, pathlib.Path('ray')).model_dump_json())\n")
@@ -163,9 +163,9 @@ def test_helper_actors_live_on_the_drivers_node(cluster, tmp_path):
     warm pools: unpinned, all eleven would land on the head (of three nodes) once in 177,147."""
     head, _ = cluster
     code = ("import ray\n"
-            "from scalestudy.train.launch import ensure_ray\n"
-            "from scalestudy.train.placement import on_this_node\n"
-            "from scalestudy.train.warm import warm_pool\n"
+            "from scalestudy.launch.ray_train import ensure_ray\n"
+            "from scalestudy.launch.placement import on_this_node\n"
+            "from scalestudy.launch.warm import warm_pool\n"
             "ensure_ray()\n"
             "here = ray.get_runtime_context().get_node_id()\n"
             "@ray.remote(num_cpus=0)\n"

@@ -15,7 +15,8 @@ import yaml
 
 from scalestudy.metrics import Status
 from scalestudy.spec import catalog
-from scalestudy.spec.load import load_spec, plan
+from scalestudy.spec.load import load_spec
+from scalestudy.plan import plan_study
 from scalestudy.sweep.driver import FAULT_ENV, run_sweep
 from scalestudy.track.ledger import Ledger
 from scalestudy.track.sync import sync_mlflow
@@ -64,7 +65,7 @@ tracking: {{mlflow_uri: "{uri}"}}
     spec = load_spec(spec_path)
     monkeypatch.setenv(FAULT_ENV, "ws2-tp1-z0-mb2@1")
     root = tmp_path / "results"
-    outcome = run_sweep(spec, plan(spec), spec_path.read_text(), max_concurrent=1,
+    outcome = run_sweep(spec, plan_study(spec), spec_path.read_text(), max_concurrent=1,
                         results_root=root, show_progress=False)
     by_mb = {r.micro_batch: r for r in outcome.results}
     assert by_mb[1].status is Status.completed and by_mb[4].status is Status.completed
@@ -85,7 +86,7 @@ tracking: {{mlflow_uri: "{uri}"}}
     assert done.data.params["zero_stage"] == "0" and done.data.tags["backend"] == "measure"
 
     # --resume: everything is already recorded, nothing launches, no run is added.
-    again = run_sweep(spec, plan(spec), spec_path.read_text(), resume=True,
+    again = run_sweep(spec, plan_study(spec), spec_path.read_text(), resume=True,
                       results_root=root, show_progress=False)
     assert again.results == [] and again.skipped == 4
     assert len(_children(uri, "sweep4")[1]) == 4
@@ -105,7 +106,7 @@ tracking: {{mlflow_uri: "http://127.0.0.1:9"}}
     spec = load_spec(spec_path)
     root = tmp_path / "results"
     started = time.time()
-    outcome = run_sweep(spec, plan(spec), spec_path.read_text(), results_root=root,
+    outcome = run_sweep(spec, plan_study(spec), spec_path.read_text(), results_root=root,
                         show_progress=False)
     assert outcome.mlflow_error and "127.0.0.1:9" in outcome.mlflow_error
     rows = Ledger(outcome.ledger).rows()

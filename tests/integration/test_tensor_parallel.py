@@ -8,7 +8,7 @@ import pytest
 
 from scalestudy.metrics import Status
 from scalestudy.spec import catalog
-from scalestudy.train.launch import run_trial
+from scalestudy.launch.ray_train import run_trial
 from tests.conftest import trial
 
 FP32 = ["precision=fp32", "steps={warmup: 2, measure: 8, profile: 0}"]

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from scalestudy.metrics import Status
-from scalestudy.train.launch import run_trial
+from scalestudy.launch.ray_train import run_trial
 from tests.conftest import trial
 
 STAGES = (0, 1, 2, 3)

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from scalestudy.perfmodel.predict import predict_many
-from scalestudy.spec.load import load_spec, plan
+from scalestudy.spec.load import load_spec
+from scalestudy.plan import plan_study
 from scalestudy_analysis.findings import findings, render
 from scalestudy_analysis.load import results_frame
 
@@ -15,7 +16,7 @@ PAPER = Path(__file__).parents[2] / "experiments" / "paper"
 
 
 def _frame(name: str):
-    return results_frame(predict_many(plan(load_spec(PAPER / f"{name}.yaml"))))
+    return results_frame(predict_many(plan_study(load_spec(PAPER / f"{name}.yaml"))))
 
 
 def test_fsdp_numbers_come_from_the_frame():

@@ -11,14 +11,15 @@ import pytest
 from scalestudy.calibrate import run
 from scalestudy.calibrate.reference_step import REFERENCE, reference_config
 from scalestudy.spec import catalog
-from scalestudy.spec.load import load_spec, plan
+from scalestudy.spec.load import load_spec
+from scalestudy.plan import plan_study
 
 REPO = Path(__file__).resolve().parents[2]
 SCORED = [REPO / "experiments" / "quickstart.yaml", REPO / "experiments" / "cpu_heldout.yaml"]
 
 
 def _scored_configs():
-    return [p.config for spec in SCORED for p in plan(load_spec(spec)) if p.feasible]
+    return [p.config for spec in SCORED for p in plan_study(load_spec(spec)) if p.feasible]
 
 
 def test_reference_step_shares_no_model_sequence_or_tokens_with_a_scored_study():

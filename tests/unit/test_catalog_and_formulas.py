@@ -12,7 +12,8 @@ from scalestudy import metrics as M
 from scalestudy.measure.throughput import percentile, throughput_metrics
 from scalestudy.perfmodel.flops import hardware_flops_per_token, model_flops_per_token
 from scalestudy.spec import catalog
-from scalestudy.spec.load import load_spec, plan
+from scalestudy.spec.load import load_spec
+from scalestudy.plan import plan_study
 
 REPO = Path(__file__).parents[2]
 
@@ -53,7 +54,7 @@ def test_flops_per_token_by_hand():
 
 def test_mfu_by_hand():
     spec = load_spec(REPO / "experiments/quickstart.yaml", ["world_size=2", "zero_stage=0"])
-    cfg = plan(spec)[0].config
+    cfg = plan_study(spec)[0].config
     times = [0.5, 0.4, 0.6, 0.5, 0.45]
     got = throughput_metrics(cfg, times)
     tokens = 8 * 128  # micro_batch 4 x dp 2 x seq 128
@@ -73,10 +74,10 @@ def test_percentile_matches_numpy_linear():
 
 
 def test_trial_id_is_stable_and_distinct():
-    planned = plan(load_spec(REPO / "experiments/quickstart.yaml"))
+    planned = plan_study(load_spec(REPO / "experiments/quickstart.yaml"))
     ids = [p.config.trial_id for p in planned]
     assert len(set(ids)) == len(ids)
-    again = [p.config.trial_id for p in plan(load_spec(REPO / "experiments/quickstart.yaml"))]
+    again = [p.config.trial_id for p in plan_study(load_spec(REPO / "experiments/quickstart.yaml"))]
     assert ids == again
 
 

@@ -26,30 +26,15 @@ from typer.testing import CliRunner
 
 from scalestudy.cli import app
 from scalestudy.spec.load import load_spec
+from tests.unit.cluster_files import (CLUSTER, EFA_CARDS, INSTANCES, KUBERAY, LAUNCHER, REPO, accelerator_labels,
+                                      load, profile_for, worker_types)
 
-REPO = Path(__file__).parents[2]
-CLUSTER = REPO / "cluster"
-KUBERAY = CLUSTER / "kuberay"
 SCHEMA = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
 
-# file -> (worker instance/machine type, EFA network cards or 0, vCPUs, Ray accelerator type)
-LAUNCHER = {
-    "aws-a100.yaml": ("p4d.24xlarge", 4, 96, "A100"),
-    "aws-h100.yaml": ("p5.48xlarge", 32, 192, "H100"),
-    "gcp-h100.yaml": ("a3-highgpu-8g", 0, 208, "H100"),
-}
-EFA_CARDS = {instance: cards for instance, cards, _, _ in LAUNCHER.values() if cards}
-ACCELERATOR = {instance: accelerator for instance, _, _, accelerator in LAUNCHER.values()}
-# The hardware profile (platform/scalestudy/spec/hardware.yaml) of each accelerator the files provide.
-PROFILE = {"A100": "a100-40gb", "H100": "h100-80gb"}
 RUNTIME_ENV = CLUSTER / "runtime_env.yaml"
 OBJECT_STORE = re.compile(r"^(s3|gs)://[^/]+/\S*$")
 IMAGE_ROOT = "/home/ray/scalestudy/"  # where kuberay/Dockerfile copies the repo
 COMMAND_KEYS = ["setup_commands", "head_setup_commands", "head_start_ray_commands", "worker_start_ray_commands"]
-
-
-def load(path: Path):
-    return yaml.safe_load(path.read_text())
 
 
 def ray_validate(config: dict) -> dict:
@@ -58,10 +43,6 @@ def ray_validate(config: dict) -> dict:
     prepared = prepare_config(copy.deepcopy(config))
     validate_config(prepared)
     return prepared
-
-
-def worker_types(config: dict) -> dict:
-    return {k: v for k, v in config["available_node_types"].items() if k != config["head_node_type"]}
 
 
 def test_every_cluster_yaml_is_covered():
@@ -76,21 +57,6 @@ def test_launcher_config_passes_rays_validation(name):
     prepared = ray_validate(load(CLUSTER / name))
     # The defaults merge must not have brought back Ray's example node types.
     assert set(prepared["available_node_types"]) == set(load(CLUSTER / name)["available_node_types"])
-
-
-@pytest.mark.parametrize("name", sorted(LAUNCHER))
-def test_launcher_head_takes_no_trial_and_gpu_workers_declare_what_they_have(name):
-    config = load(CLUSTER / name)
-    head = config["available_node_types"][config["head_node_type"]]
-    assert head["resources"] == {"CPU": 0, "GPU": 0} and head["max_workers"] == 0
-    instance, _, vcpus, accelerator = LAUNCHER[name]
-    (worker,) = worker_types(config).values()
-    node = worker["node_config"]
-    assert node.get("InstanceType", node.get("machineType")) == instance
-    assert worker["min_workers"] == 0
-    assert worker["max_workers"] == config["max_workers"] > 0
-    # What the autoscaler plans with must be what Ray detects on that node, accelerator included.
-    assert worker["resources"] == {"CPU": vcpus, "GPU": 8, f"accelerator_type:{accelerator}": 1}
 
 
 @pytest.mark.parametrize("name", sorted(LAUNCHER))
@@ -111,38 +77,18 @@ def test_launcher_uses_internal_ips_and_nothing_listens_in_public(name):
 def test_gpu_nodes_can_write_the_object_store_root(name):
     # Ray gives its default instance profile / service account to the head only; workers write
     # checkpoints to the s3:// or gs:// root themselves.
-    (worker,) = worker_types(load(CLUSTER / name)).values()
-    node = worker["node_config"]
-    if name.startswith("aws"):
-        assert node["IamInstanceProfile"]["Arn"].startswith("arn:aws:iam::")
-    else:
-        (account,) = node["serviceAccounts"]
-        assert account["email"] and "https://www.googleapis.com/auth/cloud-platform" in account["scopes"]
-
-
-@pytest.mark.parametrize("name", [n for n, spec in LAUNCHER.items() if spec[1]])
-def test_aws_workers_have_efa_on_every_network_card(name):
-    config = load(CLUSTER / name)
-    _, cards, _, _ = LAUNCHER[name]
-    (worker,) = worker_types(config).values()
-    node = worker["node_config"]
-    nics = node["NetworkInterfaces"]
-    assert sorted(n["NetworkCardIndex"] for n in nics) == list(range(cards))
-    primary = next(n for n in nics if n["NetworkCardIndex"] == 0)
-    assert primary["DeviceIndex"] == 0 and primary["InterfaceType"] == "efa"
-    assert all(n["DeviceIndex"] == 1 and n["InterfaceType"] in ("efa", "efa-only")
-               for n in nics if n["NetworkCardIndex"])
-    # Ray's AWS bootstrap rejects subnets/groups at node level once interfaces are given.
-    assert all(n["SubnetId"] and n["Groups"] for n in nics)
-    assert not {"SubnetId", "SubnetIds", "SecurityGroupIds"} & set(node)
-    assert node["Placement"]["GroupName"]
-    # The plugin NCCL loads must be on the raylet's library path.
-    assert "/opt/amazon/ofi-nccl/lib" in " ".join(config["setup_commands"])
+    for worker in worker_types(load(CLUSTER / name)).values():
+        node = worker["node_config"]
+        if name.startswith("aws"):
+            assert node["IamInstanceProfile"]["Arn"].startswith("arn:aws:iam::")
+        else:
+            (account,) = node["serviceAccounts"]
+            assert account["email"] and "https://www.googleapis.com/auth/cloud-platform" in account["scopes"]
 
 
 def test_gcp_gpu_nodes_terminate_on_host_maintenance():
-    (worker,) = worker_types(load(CLUSTER / "gcp-h100.yaml")).values()
-    assert worker["node_config"]["scheduling"]["onHostMaintenance"] == "TERMINATE"
+    for worker in worker_types(load(CLUSTER / "gcp-h100.yaml")).values():
+        assert worker["node_config"]["scheduling"]["onHostMaintenance"] == "TERMINATE"
 
 
 def _shared_mount_command(config: dict) -> str:
@@ -257,16 +203,6 @@ def test_documented_default_results_root_is_an_object_store():
     assert OBJECT_STORE.match(root)
 
 
-def test_versions_agree_across_cluster_files():
-    # Nodes, image and KubeRay must run one Ray, and the torch pin the Makefile uses locally.
-    texts = {p.name: p.read_text() for p in [*(CLUSTER / f for f in LAUNCHER), KUBERAY / "Dockerfile"]}
-    torch_pin = re.search(r"torch==([\d.]+)", (REPO / "Makefile").read_text()).group(1)
-    ray_version = load(KUBERAY / "raycluster.yaml")["spec"]["rayVersion"]
-    for name, text in texts.items():
-        assert f"torch=={torch_pin}" in text, name
-        assert re.findall(r"(?:ray\[default\]==|rayproject/ray:)([\d.]+)", text) == [ray_version], name
-
-
 def _dockerfile_runs() -> list[str]:
     text = re.sub(r"\\\n", " ", (KUBERAY / "Dockerfile").read_text())
     return [line[4:] for line in text.splitlines() if line.startswith("RUN ")]
@@ -282,7 +218,8 @@ def test_image_installs_efa_libfabric_and_aws_ofi_nccl_and_fails_without_them():
     check = next(r for r in runs if "fi_info" in r)  # libfabric's EFA build answers
     assert "libnccl-net" in check and "exit 1" in check and "ldconfig" in check
     # The torch wheel (and its NCCL) comes after EFA; forced settings NCCL no longer needs stay out.
-    assert runs.index(install) < runs.index(next(r for r in runs if "torch==" in r))
+    torch = next(r for r in runs if r.split()[-1] == "torch" and "pip install" in r)
+    assert runs.index(install) < runs.index(torch)
     text = (KUBERAY / "Dockerfile").read_text()
     assert not re.search(r"^ENV .*(FI_EFA_USE_DEVICE_RDMA|NCCL_PROTO)", text, re.M)
 
@@ -297,9 +234,9 @@ def _volume_mounts(group: dict) -> dict[str, dict]:
     return {m["mountPath"]: volumes[m["name"]] for c in _containers(group) for m in c.get("volumeMounts", [])}
 
 
-def _group_accelerator(group: dict) -> str:
-    (resource,) = json.loads(json.loads(group["rayStartParams"]["resources"]))
-    return resource.removeprefix("accelerator_type:")
+def _group_profile(group: dict) -> str:
+    """The catalogue profile whose trials the group's declared accelerator type takes."""
+    return profile_for(accelerator_labels(json.loads(json.loads(group["rayStartParams"]["resources"])))).name
 
 
 def check_cluster_spec(spec: dict) -> None:
@@ -323,9 +260,8 @@ def check_cluster_spec(spec: dict) -> None:
         assert int(limits["vpc.amazonaws.com/efa"]) == EFA_CARDS[instance]
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
         assert _volume_mounts(g)["/dev/shm"]["emptyDir"]["medium"] == "Memory"
-        accelerator = _group_accelerator(g)
-        assert g["groupName"] == f"gpu-{accelerator.lower()}"
-        assert ACCELERATOR[instance] == accelerator
+        # gpu-a100 / gpu-h100: the group's name says which GPUs its nodes hold
+        assert g["groupName"] == f"gpu-{INSTANCES[instance][4].lower()}"
 
 
 def test_raycluster_manifest():
@@ -362,22 +298,11 @@ def test_rayjob_runs_a_measured_study_on_gpus_the_cluster_provides():
     assert study.backend.value == "measure"  # a simulate study would start no GPU pod
     (hardware,) = study.hardware
     assert hardware.kind == "gpu"
-    provided = {PROFILE[_group_accelerator(g)] for g in spec["rayClusterSpec"]["workerGroupSpecs"]}
+    provided = {_group_profile(g) for g in spec["rayClusterSpec"]["workerGroupSpecs"]}
     assert hardware.name in provided
     assert max(study.world_size) > hardware.gpus_per_node  # NCCL must cross nodes at least once
     head = spec["rayClusterSpec"]["headGroupSpec"]
     assert OBJECT_STORE.match(root) or any(root.startswith(p + "/") for p in _volume_mounts(head))
-
-
-@pytest.mark.parametrize("name", sorted(LAUNCHER))
-def test_smoke_study_runs_on_every_launcher_with_its_gpu_profile(name):
-    # The README's `--set hardware=...` for each cluster: the profile matches the node.
-    _, _, _, accelerator = LAUNCHER[name]
-    (worker,) = worker_types(load(CLUSTER / name)).values()
-    study = load_spec(REPO / "experiments/cluster_smoke.yaml", [f"hardware={PROFILE[accelerator]}"])
-    (hardware,) = study.hardware
-    assert hardware.gpus_per_node == worker["resources"]["GPU"]
-    assert max(study.world_size) <= hardware.gpus_per_node * worker["max_workers"]
 
 
 def _referenced_specs() -> set[str]:

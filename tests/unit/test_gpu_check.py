@@ -1,6 +1,7 @@
 """`make gpu-check` on a machine without a CUDA device: exit 2 with one line, having imported neither
 Ray nor MLflow; and the parts of the check that need no GPU (world sizes, the result table, the
-trial command's overrides, `scalestudy calibrate` on a GPU profile)."""
+trial command's overrides, `scalestudy calibrate` on a GPU profile); a trial that runs past its
+limit leaves no rank of torchrun's running."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -132,11 +134,76 @@ def test_zero3_reference_step_prices_stage_3_hooks_at_world_1():
 def test_gpu_reference_step_shares_no_model_sequence_or_tokens_with_the_gpu_check():
     from scalestudy.calibrate.gpucheck import SPEC
     from scalestudy.calibrate.reference_step import reference_config
-    from scalestudy.spec.load import load_spec, plan
+    from scalestudy.spec.load import load_spec
+    from scalestudy.plan import plan_study
 
-    cfgs = [p.config for p in plan(load_spec(SPEC, ["world_size=1"]))]
+    cfgs = [p.config for p in plan_study(load_spec(SPEC, ["world_size=1"]))]
     for zero in (0, 3):
         ref = reference_config("bf16", 1, hardware="h200-141gb", zero_stage=zero)
         assert ref.model not in {c.model for c in cfgs}
         assert ref.seq_len not in {c.seq_len for c in cfgs}
         assert ref.micro_batch * ref.seq_len not in {c.micro_batch * c.seq_len for c in cfgs}
+
+
+# A rank as torchrun starts it (in a session of its own), with a child of its own (a compiler, a
+# loader): it writes both pids, then waits far longer than any test.
+RANK = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+path = os.path.join(sys.argv[1], "rank" + os.environ["RANK"])
+with open(path + ".tmp", "w") as f:
+    f.write(f"{os.getpid()} {child.pid}")
+os.replace(path + ".tmp", path)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Running or stopped; a zombie (killed, not yet reaped by its new parent) is not alive."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for(predicate, what: str, limit_s: float = 120) -> None:
+    deadline = time.time() + limit_s  # a guard against a hang, not a timing assertion
+    while not predicate():
+        assert time.time() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
+def test_kill_tree_leaves_none_of_torchruns_ranks_running(tmp_path):
+    """torchrun's real process tree on CPU: two ranks, each with a child. kill_tree (what run_command
+    does on timeout) leaves no process of it; killing torchrun alone left the ranks running."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    proc = gpucheck.start_session([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                   "--nproc_per_node", "2", str(script), str(tmp_path)])
+    try:
+        files = [tmp_path / "rank0", tmp_path / "rank1"]
+        _wait_for(lambda: all(f.exists() for f in files), "both ranks to start")
+        pids = [int(p) for f in files for p in f.read_text().split()]
+        # the ranks really are outside torchrun's process group: killpg(torchrun) alone misses them
+        assert {os.getpgid(p) for p in pids[::2]}.isdisjoint({proc.pid})
+        assert all(_alive(p) for p in pids)
+        gpucheck.kill_tree(proc)
+        proc.communicate(timeout=gpucheck.KILL_WAIT_S)
+        _wait_for(lambda: not any(_alive(p) for p in pids), "the killed processes to end", 10)
+    finally:
+        gpucheck.kill_tree(proc)
+
+
+def test_run_command_kills_its_tree_on_timeout(tmp_path):
+    """The timeout path: None for the exit code, and the session-of-its-own grandchild is gone."""
+    pid_file = tmp_path / "pid"
+    grandchild = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+                  "'import time; time.sleep(600)'], start_new_session=True); "
+                  f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(600)")
+    code, _, _ = gpucheck.run_command([sys.executable, "-c", grandchild], timeout_s=8)
+    assert code is None
+    assert pid_file.exists(), "the child did not start within the 8 s timeout"
+    pid = int(pid_file.read_text())
+    _wait_for(lambda: not _alive(pid), "the grandchild to end", 10)

@@ -26,15 +26,28 @@ ALLOWED: dict[str, set[str]] = {
     "metrics": {"spec", "parallel", "errors"},
     "perfmodel": FOUNDATION,
     "track": FOUNDATION,
-    "measure": FOUNDATION | {"perfmodel"},
-    "train": FOUNDATION | {"measure", "perfmodel"},
-    "calibrate": FOUNDATION | {"train", "measure", "perfmodel"},
-    "sweep": FOUNDATION | {"train", "calibrate", "measure", "perfmodel", "track"},
-    "cli": FOUNDATION | {"sweep", "train", "calibrate", "measure", "perfmodel", "track", "analysis"},
-    "analysis": FOUNDATION | {"perfmodel", "track"},
+    # the one planner: expansion, the memory rule, verdicts (reads the model; no torch, no ray)
+    "plan": FOUNDATION | {"perfmodel"},
+    "measure": FOUNDATION | {"perfmodel", "plan"},
+    "train": FOUNDATION | {"measure", "perfmodel", "plan"},
+    # the Ray line: what runs the (Ray-free) trial body under Ray Train and Tune
+    "launch": FOUNDATION | {"train", "measure", "perfmodel", "plan", "track"},
+    "calibrate": FOUNDATION | {"launch", "train", "measure", "perfmodel", "plan", "track"},
+    "sweep": FOUNDATION | {"launch", "train", "calibrate", "measure", "perfmodel", "plan", "track"},
+    "cli": FOUNDATION | {"sweep", "launch", "train", "calibrate", "measure", "perfmodel", "plan",
+                         "track", "analysis", "cli_common", "cli_tools", "cli_plan", "tables"},
+    "analysis": FOUNDATION | {"perfmodel", "plan", "track"},
+    # the terminal's tables and the options every sub-command shares (cli.py, cli_tools.py)
+    "tables": FOUNDATION,
+    "cli_common": FOUNDATION | {"tables", "track"},
+    "cli_tools": FOUNDATION | {"cli_common", "calibrate", "launch", "perfmodel", "track", "train"},
+    "cli_plan": FOUNDATION | {"cli_common", "plan", "tables"},
     "__init__": set(),
 }
 HEAVY = ("torch", "ray", "deepspeed")
+# Packages that never import ray, not even lazily: train/ is the trial body and what it needs (the
+# Ray line is launch/), plan/ and perfmodel/ are pure Python.
+RAY_FREE_PACKAGES = ("train", "plan", "perfmodel", "measure", "track", "spec", "parallel")
 # The trial body and everything it imports must run without Ray (train/local.py, under torchrun), and
 # so must `make gpu-check` (calibrate/gpucheck.py, calibrate/gpu.py).
 RAY_FREE_ENTRY_POINTS = ("scalestudy.train.body", "scalestudy.train.local", "scalestudy.calibrate.gpucheck",
@@ -106,8 +119,10 @@ def violations(srcs: dict[str, str]) -> list[str]:
         for name, top in imports_of(source):
             root = name.split(".")[0]
             if root in HEAVY:
-                if pkg == "perfmodel":
-                    out.append(f"{module} imports {name}: the performance model is pure Python")
+                if pkg in ("perfmodel", "plan"):
+                    out.append(f"{module} imports {name}: {pkg}/ is pure Python")
+                elif root == "ray" and pkg in RAY_FREE_PACKAGES:
+                    out.append(f"{module} imports {name}: {pkg}/ is below the Ray line (launch/)")
                 elif pkg in FOUNDATION and top:
                     out.append(f"{module} imports {name} at module level: {pkg}/ stays importable "
                                "without it (import it where it is needed)")

@@ -54,7 +54,7 @@ def test_rapl_reads_packages_and_dram_with_wraparound(powercap):
 
 
 def test_no_rapl_gives_nan_and_reason(tmp_path):
-    meter = make_meter("cpu", powercap_root=str(tmp_path / "absent"))
+    meter = make_meter("rapl", powercap_root=str(tmp_path / "absent"))
     assert isinstance(meter, NoMeter)
     meter.start()
     r = meter.stop()
@@ -111,8 +111,10 @@ def test_nvml_counter_is_read_per_device_and_differenced():
 
 def test_only_the_node_owner_meters():
     assert is_meter_owner(0) and not is_meter_owner(1)
-    assert isinstance(make_meter("gpu", local_rank=1, nvml=StandInNvml()), NoMeter)
-    assert isinstance(make_meter("gpu", local_rank=0, nvml=StandInNvml()), NvmlMeter)
+    assert isinstance(make_meter("nvml", local_rank=1, nvml=StandInNvml()), NoMeter)
+    assert isinstance(make_meter("nvml", local_rank=0, nvml=StandInNvml()), NvmlMeter)
+    with pytest.raises(ValueError, match="unknown energy source"):
+        make_meter("gpu", local_rank=0)  # a source is named for its counter, not a device kind
 
 
 def test_integrate_power_trapezoid():

@@ -20,7 +20,7 @@ from scalestudy import metrics as M
 from scalestudy.measure.devices import (
     NodeDevices, gather_node_devices, group_by_node, normalize_uuid, uuid_from_bytes,
 )
-from scalestudy.measure.energy import NoMeter, NvmlMeter, node_energy_meter
+from scalestudy.measure.energy import NoMeter, NvmlMeter, energy_metrics, node_energy_meter
 from scalestudy.measure.meters import TrialMeters
 from scalestudy.measure.utilization import NoUtilization, NvmlUtilization, node_utilization
 
@@ -140,11 +140,11 @@ def test_utilization_samples_only_the_trials_gpus_and_pauses():
 def test_one_meter_per_node_and_unknown_uuid_is_an_error():
     owner = NodeDevices("n", 0, [0, 1], TRIAL)
     other = NodeDevices("n", 1, [0, 1], TRIAL)
-    assert isinstance(node_energy_meter("gpu", owner, nvml=EightGpuNvml()), NvmlMeter)
-    assert isinstance(node_energy_meter("gpu", other, nvml=EightGpuNvml()), NoMeter)
+    assert isinstance(node_energy_meter(True, owner, nvml=EightGpuNvml()), NvmlMeter)
+    assert isinstance(node_energy_meter(True, other, nvml=EightGpuNvml()), NoMeter)
     assert isinstance(node_utilization("gpu", other, nvml=EightGpuNvml()), NoUtilization)
     missing = NodeDevices("n", 0, [0], ["GPU-ffffffff-0000-0000-0000-000000000000"])
-    meter = node_energy_meter("gpu", missing, nvml=EightGpuNvml())
+    meter = node_energy_meter(True, missing, nvml=EightGpuNvml())
     assert isinstance(meter, NoMeter) and "no device with UUID" in meter.reason
 
 
@@ -159,16 +159,32 @@ def test_group_by_node_picks_the_lowest_rank_and_keeps_the_nodes_uuids():
 
 def test_trial_meters_summary_on_one_node():
     nvml = EightGpuNvml()
-    meters = TrialMeters("gpu", NodeDevices("n", 0, [0, 1], TRIAL), nvml=nvml)
+    meters = TrialMeters(True, NodeDevices("n", 0, [0, 1], TRIAL), nvml=nvml)
     meters.start()
     nvml.advance(1.0)
     with meters.excluded():
         nvml.advance(50.0)
     meters.stop()
-    s = meters.reduce().summary(tokens=1000)
-    assert s[M.ENERGY_J] == pytest.approx(11.0) and s[M.ENERGY_PER_TOKEN_J] == pytest.approx(0.011)
-    assert s["energy_source"] == "nvml" and s["energy_excluded_intervals"] == 1
-    assert s["utilization_metric"] == M.DEVICE_UTILIZATION_PCT
+    res = meters.reduce()
+    e = res.energy
+    assert e.energy_j == pytest.approx(11.0) and e.source == "nvml" and e.excluded_intervals == 1
+    assert energy_metrics(e, 1000)[M.ENERGY_PER_TOKEN_J] == pytest.approx(0.011)
+    assert res.utilization_metric == M.DEVICE_UTILIZATION_PCT and res.devices_utilization == 2
+
+
+def test_cpu_trial_meters_use_rapl_and_count_cores(tmp_path):
+    """A CPU profile (is_gpu False): RAPL for energy (here absent: NaN with why), the process's CPU
+    use under the cores column; NVML is never touched."""
+    nvml = EightGpuNvml()
+    meters = TrialMeters(False, NodeDevices("n", 0, [0], []), nvml=nvml,
+                         powercap_root=str(tmp_path / "absent"))
+    meters.start()
+    sum(range(200_000))
+    meters.stop()
+    res = meters.reduce()
+    assert res.energy.source == "none" and "RAPL" in res.energy.reason
+    assert res.utilization_metric == M.CPU_UTILIZATION_CORES and res.utilization > 0
+    assert nvml.touched == set()
 
 
 # --- two real ranks on one node: one meter, both devices --------------------------------------------
@@ -194,7 +210,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.all_gather_object(everyone, me)
     node = group_by_node([tuple(e) for e in everyone], rank)
     nvml = EightGpuNvml()
-    meters = TrialMeters("gpu", node, nvml=nvml)
+    meters = TrialMeters(True, node, nvml=nvml)
     meters.start()
     nvml.advance(2.0)
     time.sleep(0.05)  # several utilization samples

@@ -58,10 +58,11 @@ def test_factors_solve_the_shared_slowdown_with_the_in_step_one_fixed():
 
 def test_reference_shape_is_not_the_quickstart_shape():
     # The measured-CPU validation compares against the quick start: the reference must differ.
-    from scalestudy.spec.load import load_spec, plan
+    from scalestudy.spec.load import load_spec
+    from scalestudy.plan import plan_study
     from tests.conftest import QUICKSTART
 
     ref = reference_config("bf16", 1)
-    for planned in plan(load_spec(QUICKSTART)):
+    for planned in plan_study(load_spec(QUICKSTART)):
         c = planned.config
         assert (c.micro_batch, c.seq_len) != (ref.micro_batch, ref.seq_len)

@@ -1,4 +1,4 @@
-"""Where a measured trial's workers go (train/placement.py) and what the layout refuses of its nodes
+"""Where a measured trial's workers go (launch/placement.py) and what the layout refuses of its nodes
 (parallel/layout.py): pure decisions, no Ray started."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from scalestudy.errors import InfeasibleTrial
 from scalestudy.parallel.layout import Layout
 from scalestudy.spec.study import StudySpec, expand
-from scalestudy.train.placement import (health_check_interval_s, local_shortfall, placement_for,
+from scalestudy.launch.placement import (health_check_interval_s, local_shortfall, placement_for,
                                         tp_node_reason)
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from scalestudy.spec import precision as P
 from scalestudy.spec.catalog import Precision, get_hardware
-from scalestudy.spec.load import load_spec, plan, validate_spec
+from scalestudy.spec.load import load_spec, validate_spec
+from scalestudy.plan import plan_study
 from scalestudy.spec.study import expand
 from tests.conftest import QUICKSTART
 
@@ -57,8 +58,8 @@ def test_an_explicit_precision_is_kept(monkeypatch):
 def test_same_trial_ids_whether_auto_or_the_precision_it_resolves_to(monkeypatch):
     for native, resolved in (("1", "bf16"), ("0", "fp32")):
         monkeypatch.setenv(P.NATIVE_BF16_ENV, native)
-        auto = [p.config.trial_id for p in plan(load_spec(QUICKSTART))]
-        explicit = [p.config.trial_id for p in plan(load_spec(QUICKSTART, [f"precision={resolved}"]))]
+        auto = [p.config.trial_id for p in plan_study(load_spec(QUICKSTART))]
+        explicit = [p.config.trial_id for p in plan_study(load_spec(QUICKSTART, [f"precision={resolved}"]))]
         assert auto == explicit
 
 

@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 
 from scalestudy.perfmodel.predict import predict, predict_many, predict_planned
-from scalestudy.spec.load import load_spec, plan
+from scalestudy.spec.load import load_spec
+from scalestudy.plan import plan_study
 
 PAPER = Path(__file__).parents[2] / "experiments" / "paper"
 
 
 @pytest.fixture(scope="module")
 def planned():
-    trials = plan(load_spec(PAPER / "model_parallel.yaml")) + plan(load_spec(PAPER / "power.yaml"))
+    trials = plan_study(load_spec(PAPER / "model_parallel.yaml")) + plan_study(load_spec(PAPER / "power.yaml"))
     assert any(not p.feasible for p in trials) and any(p.feasible for p in trials)
     return trials
 
@@ -37,9 +38,10 @@ CYCLIC_GARBAGE_OF_A_BATCH = """
 import gc, sys
 from pathlib import Path
 from scalestudy.perfmodel.predict import predict_many
-from scalestudy.spec.load import load_spec, plan
+from scalestudy.spec.load import load_spec
+from scalestudy.plan import plan_study
 paper = Path(sys.argv[1])
-trials = plan(load_spec(paper / "model_parallel.yaml")) + plan(load_spec(paper / "power.yaml"))
+trials = plan_study(load_spec(paper / "model_parallel.yaml")) + plan_study(load_spec(paper / "power.yaml"))
 predict_many(trials[:3])  # first-call imports and memo caches are not garbage; keep them out
 gc.collect()
 gc.disable()

@@ -10,7 +10,8 @@ import pytest
 from scalestudy import metrics as M
 from scalestudy.metrics import Status, TrialResult
 from scalestudy.perfmodel.predict import predict
-from scalestudy.spec.load import load_spec, plan, validate_spec
+from scalestudy.spec.load import load_spec, validate_spec
+from scalestudy.plan import plan_study
 from scalestudy.spec.study import expand
 from scalestudy.spec.trial import (TRIAL_KEY, TrialConfig, config_columns, config_from_row,
                                    name_axes_of, trial_key, trial_name)
@@ -106,7 +107,7 @@ def test_run_names_show_every_swept_axis():
 
 
 def test_quickstart_names_stay_short():
-    names = [p.config.run_name for p in plan(load_spec(QUICKSTART))]
+    names = [p.config.run_name for p in plan_study(load_spec(QUICKSTART))]
     assert names[:2] == ["ws1-tp1-z0-mb4", "ws1-tp1-z1-mb4"] and len(set(names)) == 8
 
 

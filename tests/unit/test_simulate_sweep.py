@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from scalestudy.metrics import Status
-from scalestudy.spec.load import plan, validate_spec
+from scalestudy.spec.load import validate_spec
+from scalestudy.plan import plan_study
 from scalestudy.sweep.driver import run_sweep
-from scalestudy.sweep.feasibility import check_all
 from scalestudy.sweep.simulate import simulate_sweep
 
 SPEC = {"name": "sim", "model": "llama2-7b", "hardware": "h100-80gb", "backend": "simulate",
@@ -32,7 +32,7 @@ class Progress:
 def _sweep(search: dict | None, done: frozenset = frozenset()):
     """(planned, recorded, draws): what the driver's Recorder would get, and the bar's count."""
     spec = validate_spec({**SPEC, **({"search": search} if search else {})})
-    planned = check_all(plan(spec))
+    planned = plan_study(spec)
     recorded, progress = [], Progress()
 
     def record(result):  # as the driver's Recorder: a row, then the bar
@@ -73,9 +73,77 @@ def test_a_grid_predicts_each_runnable_point_once():
 def test_run_sweep_records_a_searched_simulate_study_once(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     spec = validate_spec({**SPEC, "search": {"algorithm": "random", "num_samples": 4}})
-    out = run_sweep(spec, plan(spec), "spec", results_root=tmp_path, show_progress=False)
+    out = run_sweep(spec, plan_study(spec), "spec", results_root=tmp_path, show_progress=False)
     assert len(out.results) == len({r.trial_id for r in out.results}) <= 4
-    again = run_sweep(spec, plan(spec), "spec", resume=True, results_root=tmp_path,
+    again = run_sweep(spec, plan_study(spec), "spec", resume=True, results_root=tmp_path,
                       show_progress=False)
     assert not again.results and again.skipped == len(out.results)
 
+
+
+def _runs(uri: str, experiment: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    return client, client.search_runs([exp.experiment_id], max_results=1000)
+
+
+def test_a_simulate_sweep_is_one_mlflow_run_with_its_predictions_as_a_table(tmp_path, monkeypatch):
+    """Not one run per prediction (a 5,000-point sweep made 5,000 runs); the ledger gets batch
+    parts and every row the parent's run id; sync-mlflow uploads the table to a store without it,
+    once."""
+    import pyarrow.parquet as pq
+
+    from scalestudy.track.ledger import Ledger, ledger_path
+    from scalestudy.track.mlflow_writer import PREDICTIONS_ARTIFACT, PREDICTIONS_TAG
+    from scalestudy.track.sync import sync_mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    spec = validate_spec(SPEC)
+    planned = plan_study(spec)
+    out = run_sweep(spec, planned, "spec", results_root=tmp_path, show_progress=False)
+    assert out.mlflow_error is None and len(out.results) == len(planned)
+    client, runs = _runs(uri, "sim")
+    (parent,) = runs
+    assert parent.data.tags["scalestudy.role"] == "sweep"
+    assert parent.data.tags[PREDICTIONS_TAG] == str(len(planned))
+    table = pq.read_table(client.download_artifacts(parent.info.run_id, PREDICTIONS_ARTIFACT,
+                                                    str(tmp_path)))
+    assert sorted(table.column("trial_id").to_pylist()) == sorted(p.config.trial_id for p in planned)
+    ledger = Ledger(ledger_path("sim", tmp_path))
+    rows = ledger.rows()
+    assert {r["mlflow_run_id"] for r in rows} == {parent.info.run_id} and len(rows) == len(planned)
+    assert len(ledger.part_names()) == 2  # one batch of rows, one patch with the run id
+    assert len(pq.read_table(ledger.path)) == len(planned)  # the export, for pandas
+
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    assert sync_mlflow("sim", other, results_root=tmp_path) == (len(planned), None)
+    assert sync_mlflow("sim", other, results_root=tmp_path) == (0, None)  # idempotent
+    client, runs = _runs(other, "sim")
+    (synced,) = runs
+    assert synced.data.tags[PREDICTIONS_TAG] == str(len(planned))
+    assert sync_mlflow("sim", uri, results_root=tmp_path) == (0, None)  # the sweep logged it
+
+
+def test_a_simulate_sweep_with_mlflow_down_keeps_every_row_for_sync(tmp_path, monkeypatch):
+    from scalestudy.track.ledger import Ledger, ledger_path
+    from scalestudy.track.mlflow_writer import MlflowWriter
+    from scalestudy.track.sync import sync_mlflow
+
+    def down(self, *args, **kwargs):
+        raise ConnectionError("tracking server down")
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    spec = validate_spec(SPEC)
+    with monkeypatch.context() as m:
+        m.setattr(MlflowWriter, "_log_predictions", down)
+        out = run_sweep(spec, plan_study(spec), "spec", results_root=tmp_path, show_progress=False)
+    assert out.mlflow_error and "tracking server down" in out.mlflow_error
+    rows = Ledger(ledger_path("sim", tmp_path)).rows()
+    assert len(rows) == len(out.results) and {r["mlflow_run_id"] for r in rows} == {None}
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert sync_mlflow("sim", uri, results_root=tmp_path) == (len(rows), None)
+    _, runs = _runs(uri, "sim")
+    assert len(runs) == 1  # the table went onto the sweep's own parent run

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from scalestudy.spec.errors import SpecError
-from scalestudy.spec.load import load_spec, plan
+from scalestudy.spec.load import load_spec
+from scalestudy.plan import plan_study
 
 BASE = """\
 name: t
@@ -27,7 +28,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 def _error(tmp_path: Path, text: str, overrides=None) -> str:
     with pytest.raises(SpecError) as exc:
-        plan(load_spec(_write(tmp_path, text), overrides))
+        plan_study(load_spec(_write(tmp_path, text), overrides))
     msg = str(exc.value)
     assert "\n" not in msg
     return msg
@@ -56,6 +57,15 @@ def _error(tmp_path: Path, text: str, overrides=None) -> str:
         ("world_size: 2\ntp: 2\nmodel: {hidden_size: 64, num_layers: 2, num_heads: 4, "
          "ffn_hidden_size: 171}\n", ["tp 2", "ffn_hidden_size 171"]),
         ("world_size: 4\npp: 4\nbackend: simulate\n", ["pp 4", "num_layers 2"]),
+        # dims the model factory could not build: refused at load, not on the workers
+        ("model: {hidden_size: 100, num_layers: 2, num_heads: 3}\n",
+         ["hidden_size 100", "num_heads 3", "divide"]),
+        ("model: {hidden_size: 96, num_layers: 2, num_heads: 32}\n", ["head_dim", "3", "even"]),
+        ("model: {hidden_size: 64, num_layers: 2, num_heads: 4, num_kv_heads: 3}\n",
+         ["num_heads 4", "num_kv_heads 3"]),
+        # 10**8 cpu-local workers once "completed" as 5x10**7 nodes
+        ("world_size: 100000000\nbackend: simulate\n", ["world_size", "100000000", "1,048,576"]),
+        ("world_size: [8, 100000000]\nbackend: simulate\n", ["world_size[1]", "100000000"]),
     ],
 )
 def test_bad_field(tmp_path, extra, expected):
@@ -86,6 +96,32 @@ def test_malformed_yaml_has_line_number(tmp_path):
     assert "line" in msg and "malformed YAML" in msg
 
 
+def test_a_spec_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(BASE.encode() + "# pr\xe9cis\n".encode("latin-1"))
+    with pytest.raises(SpecError) as exc:
+        load_spec(path)
+    assert "not UTF-8" in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"name: x\xff\n", "not UTF-8"),
+    (b"kind: [gpu\n", "malformed YAML"),
+    (b"- a list\n", "mapping"),
+    (b"kind: gpu\n", "Field required"),
+])
+def test_a_bad_profile_file_is_one_line(tmp_path, content, expected):
+    (tmp_path / "prof.yaml").write_bytes(content)
+    msg = _error(tmp_path, BASE.replace("hardware: cpu-local", "hardware: prof.yaml"))
+    assert "hardware" in msg and expected in msg, msg
+
+
+def test_a_folder_is_not_a_spec(tmp_path):
+    with pytest.raises(SpecError) as exc:
+        load_spec(tmp_path)
+    assert "a folder" in str(exc.value)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(SpecError) as exc:
         load_spec(tmp_path / "nope.yaml")
@@ -105,7 +141,7 @@ def test_two_models_of_one_name_are_refused(tmp_path):
     msg = _error(tmp_path, BASE.replace("model: llama2-tiny", f"model: [{dims % 4}, {dims % 8}]"))
     assert "custom-llama-h64-l2" in msg and "name each one" in msg
     named = (f"model: [{{name: a, dims: {dims % 4}}}, {{name: b, dims: {dims % 8}}}]")
-    assert len(plan(load_spec(_write(tmp_path, BASE.replace("model: llama2-tiny", named))))) == 2
+    assert len(plan_study(load_spec(_write(tmp_path, BASE.replace("model: llama2-tiny", named))))) == 2
     same = BASE.replace("model: llama2-tiny", "model: [llama2-tiny, llama2-tiny]")
     assert load_spec(_write(tmp_path, same)).model[0].name == "llama2-tiny"
 
@@ -127,7 +163,7 @@ def test_a_value_listed_twice_is_one_trial(tmp_path):
     text = BASE.replace("model: llama2-tiny", "model: [llama2-tiny, llama2-tiny]")
     spec = load_spec(_write(tmp_path, text + "world_size: [2, 1, 2]\nzero_stage: [3, 3]\n"))
     assert spec.world_size == [2, 1] and spec.zero_stage == [3] and len(spec.model) == 1
-    trials = plan(spec)
+    trials = plan_study(spec)
     assert len(trials) == len({t.config.trial_id for t in trials}) == 2
 
 
@@ -148,7 +184,7 @@ def test_set_one_dim_of_a_catalogue_model(tmp_path):
 
 
 def test_grid_point_infeasible_but_spec_valid(tmp_path):
-    planned = plan(load_spec(_write(tmp_path, BASE + "world_size: [2, 3]\ntp: 2\n")))
+    planned = plan_study(load_spec(_write(tmp_path, BASE + "world_size: [2, 3]\ntp: 2\n")))
     assert [p.feasible for p in planned] == [True, False]
     assert "world_size 3 is not divisible" in planned[1].reason
 

@@ -106,9 +106,15 @@ def test_ledger_round_trip_on_s3():
         (back,) = Ledger(ledger_path("s3study", root)).rows()
         assert back["trial_id"] == result.trial_id and back["step_time_s"] == 2.5
         assert back["mlflow_run_id"] == "r1" and ledger.exists()
-        # The whole ledger is one object: no folder markers, no temp objects left behind.
-        listed = boto3.client("s3", endpoint_url=endpoint).list_objects_v2(Bucket="results")
-        assert [o["Key"] for o in listed["Contents"]] == ["prefix/s3study/trials.parquet"]
+        # One object per part (the row, then the patch with the run id), and the export once
+        # asked for: no folder markers, no temp objects left behind.
+        s3 = boto3.client("s3", endpoint_url=endpoint)
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket="results")["Contents"]]
+        assert [k.rsplit(".", 2)[-2] for k in keys] == ["rows", "patch"]
+        assert all(k.startswith("prefix/s3study/ledger/") for k in keys)
+        assert ledger.export() == "s3://results/prefix/s3study/trials.parquet"
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket="results")["Contents"]]
+        assert len(keys) == 3 and "prefix/s3study/trials.parquet" in keys
 
 
 def test_private_local_root_refused_in_one_line_with_the_fix(monkeypatch, tmp_path):

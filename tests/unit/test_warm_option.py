@@ -7,7 +7,7 @@ import pytest
 from scalestudy.errors import SpecError
 from scalestudy.spec.load import load_spec
 from scalestudy.sweep.driver import spec_hash
-from scalestudy.train.warm import _rank_env, pool_name
+from scalestudy.launch.warm import _rank_env, pool_name
 from tests.conftest import QUICKSTART
 
 
@@ -47,11 +47,11 @@ def test_warm_group_asks_what_a_cold_trial_asks():
     from ray._common.utils import RESOURCE_CONSTRAINT_PREFIX
     from ray.air.config import ScalingConfig
 
-    from scalestudy.spec.load import plan
-    from scalestudy.train.placement import placement_for
-    from scalestudy.train.warm import resources_per_worker
+    from scalestudy.plan import plan_study
+    from scalestudy.launch.placement import placement_for
+    from scalestudy.launch.warm import resources_per_worker
 
-    cfg = plan(load_spec(QUICKSTART, ["hardware=a100-80gb"]))[0].config
+    cfg = plan_study(load_spec(QUICKSTART, ["hardware=a100-80gb"]))[0].config
     placement = placement_for(cfg)
     cold = ScalingConfig(num_workers=cfg.world_size, use_gpu=placement.use_gpu,
                          resources_per_worker=placement.resources_per_worker,

@@ -32,6 +32,7 @@ BEFORE, AFTER = "before_first_scoring", "after_first_scoring"
 NETWORK = "network_gbit_per_node"
 ROW_FIELDS = ("activation_checkpointing",)  # settings that correct a row field rather than a parameter
 FILTERS = ("zero_stage", "activation_checkpointing_mode")  # row fields a setting may be limited to
+LAYOUT_KEYS = ("sequence_parallel", "cp", "tp_comm_overlap", "fp8", "gather_granularity")
 
 
 @dataclass
@@ -54,6 +55,9 @@ class Row:
     # error when first seen over the bound, and where the investigation is written). Recorded, never
     # tuned away: the row is still scored and counted in the MAPE.
     known_miss: dict | None = None
+    # The software stack the run used (issue 35, item 8): the unit its software_efficiency is
+    # fitted over (from the family's rows of the other sources only, test_published.py).
+    family: str = ""
 
     @property
     def chip(self) -> str:
@@ -83,6 +87,10 @@ def tokens_per_s_per_gpu(row: dict, dims: ModelDims) -> float:
     if row.get("flops_formula") == "megatron_eq3":  # Narayanan et al. 2021, eq. (3)
         h, l, v = dims.hidden_size, dims.num_layers, dims.vocab_size
         per_token = 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    elif row.get("flops_formula") == "nemo_llama2":  # NeMo flops_formulas.llama2, no causal halving
+        h, l, v, f = dims.hidden_size, dims.num_layers, dims.vocab_size, dims.ffn
+        per_token = l * h * h * (12 + 12 * dims.kv_heads / dims.num_heads + 18 * f / h
+                                 + 12 * s / h + 6 * v / (l * h))
     else:  # palm_6n_attn: 6 N (all parameters) + 12 l h s
         per_token = 6 * dims.num_params() + 12 * dims.num_layers * dims.hidden_size * s
     if "tflops_per_gpu" in row:
@@ -113,6 +121,8 @@ def _apply(hw: HardwareProfile, row: dict, settings: list[dict]) -> tuple[Hardwa
         hw = hw.model_copy(update={"network_gbps_per_gpu": gbit / 8 / hw.gpus_per_node})
     software = {s["setting"]: s["value"] for s in settings
                 if s["setting"] != NETWORK and s["setting"] not in ROW_FIELDS}
+    if row.get("virtual_stages"):  # the row's printed interleaving (VP): chunks per pipeline rank
+        software.setdefault("pipeline_virtual_stages", row["virtual_stages"])
     return hw, params_for(hw, fused_attention=row["attention"] == "flash", **software)
 
 
@@ -133,6 +143,8 @@ def _spec(src: dict, row: dict, dims: ModelDims, notes: list[str]) -> dict:
             "zero_stage": row["zero_stage"], "micro_batch": row["micro_batch"],
             "global_batch": row["global_batch"],
             "activation_checkpointing": row["activation_checkpointing"]}
+    # Issue 35's layout options, as the row prints (or assumes) them.
+    spec.update({k: row[k] for k in LAYOUT_KEYS if k in row})
     if dims.num_layers % row["pp"]:
         # Uneven stages (Megatron/DeepSpeed allow them; the spec does not): the pipeline runs at the
         # pace of its fullest stage, ceil(L / pp) blocks, so the row is scored as a model whose
@@ -142,6 +154,10 @@ def _spec(src: dict, row: dict, dims: ModelDims, notes: list[str]) -> dict:
         notes.append(f"stages of {blocks // row['pp']} blocks")
     if row.get("fsdp_mode", "").startswith("hybrid"):
         notes.append("HSDP as full shard")
+    if row.get("fsdp_mode") and row["zero_stage"] == 3:
+        # PyTorch FSDP wraps every transformer block as one unit (issue 35's mapping rule for
+        # every FSDP row alike): one gather per block, not DeepSpeed's per-module fetch.
+        spec["gather_granularity"] = "block"
     return spec
 
 
@@ -159,7 +175,8 @@ def _row(src: dict, row: dict) -> Row:
     dims = _dims(row["model"])
     base = dict(id=row["id"], source=src["source"], group=src["source_group"],
                 published=tokens_per_s_per_gpu(row, dims), core=bool(row.get("core")),
-                known_miss=_known_miss(row))
+                known_miss=_known_miss(row),
+                family=row.get("framework_family") or src.get("framework_family", ""))
     notes: list[str] = []
     settings = settings_for(src, row)
     planned, hw, params = _build(src, row, dims, settings, notes)

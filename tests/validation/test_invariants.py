@@ -24,10 +24,10 @@ import time
 
 from scalestudy.perfmodel import parallelism as par
 from scalestudy.perfmodel.compute import compute_times
-from scalestudy.perfmodel.flops import hardware_flops_per_token
+from scalestudy.perfmodel.flops import hardware_flops_per_token, utilization
 from scalestudy.perfmodel.memory import memory_breakdown
 from scalestudy.perfmodel.params import params_for
-from scalestudy.perfmodel.predict import predict, simulate
+from scalestudy.perfmodel.predict import simulate
 from scalestudy.spec import catalog
 from scalestudy.spec.catalog import ModelDims, Precision
 from scalestudy.spec.load import validate_spec
@@ -44,7 +44,9 @@ def _random_dims(rng: random.Random) -> ModelDims:
     arch = rng.choice(["llama", "gpt"])
     h = 128 * rng.randint(16, 96)  # 2048 .. 12288
     heads = h // 128
-    kv = heads if arch == "gpt" or rng.random() < 0.5 else 8
+    # GQA only where the heads split into whole groups of 8 KV heads (ModelDims refuses others);
+    # the draws are the same as before, so the sampled configurations are too.
+    kv = heads if arch == "gpt" or rng.random() < 0.5 or heads % 8 else 8
     layers = rng.randint(16, 96)
     ffn = 4 * h if arch == "gpt" else 256 * math.ceil(8 * h / 3 / 256)
     return ModelDims(architecture=arch, hidden_size=h, num_layers=layers, num_heads=heads,
@@ -166,7 +168,11 @@ def test_reported_hfu_counts_masked_attention_the_kernels_skip():
         st, _ = simulate(cfg, p)
         peak = cfg.hardware_profile.peak_flops(cfg.precision)
         executed.append(cfg.grad_accum * compute_times(cfg, p).flops / st.step_s / peak)
-        reported.append(predict(cfg).hfu)
+        # predict()'s HFU, from the same step: 64k tokens at micro-batch 1 is at the memory rule's
+        # edge (infeasible, HFU NaN, under the memory model of 2026-12), and the claim is HFU's count
+        per_device = cfg.tokens_per_step / st.step_s / cfg.world_size
+        hflops = hardware_flops_per_token(cfg.model_dims, seq, True, p.recompute_fraction)
+        reported.append(utilization(hflops, per_device, peak))
         assert executed[-1] < p.gemm_efficiency
     print("\nexecuted HFU", [round(x, 3) for x in executed], "reported", [round(x, 3) for x in reported])
     assert reported[0] < p.gemm_efficiency < reported[-1]

@@ -28,7 +28,8 @@ import pytest
 from scalestudy.calibrate.reference_step import reference_config
 from scalestudy.perfmodel.predict import predict
 from scalestudy.spec import catalog
-from scalestudy.spec.load import load_spec, plan
+from scalestudy.spec.load import load_spec
+from scalestudy.plan import plan_study
 from scalestudy.spec.precision import cpu_has_native_bf16
 from scalestudy.spec.trial import trial_name
 
@@ -63,7 +64,7 @@ def heldout(calibrated, ray_session, tmp_path_factory):
     root = tmp_path_factory.mktemp("heldout")
     spec = load_spec(HELDOUT, [f"tracking.mlflow_uri=sqlite:///{root / 'mlflow.db'}",
                                f"precision=[{', '.join(PRECISIONS)}]"])
-    planned = [p for p in plan(spec) if p.feasible and p.config.grad_accum == 2]
+    planned = [p for p in plan_study(spec) if p.feasible and p.config.grad_accum == 2]
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     outcome = run_sweep(spec, planned, HELDOUT.read_text(), max_concurrent=1,

@@ -32,8 +32,6 @@ def _busbw(hw_name: str, op: str, size: float, ranks: int, nics_gbit_per_node: f
     ("2 A100 nodes, 4 x 200G", "a100-80gb", "all_reduce", GIB, 16, 800, 86, 0.15),
     # one node of 8 A100: 230.8-232.5 GB/s (nccl #527, nccl-tests #175)
     ("8 x A100 NVLink", "a100-80gb", "all_reduce", GIB, 8, None, 231.5, 0.05),
-    # 256 H100 (32 nodes, 8 x 400 Gb/s): all_gather of 2 GB at 200 GB/s busbw (nccl #1218)
-    ("256 H100 all_gather 2 GB", "h100-80gb", "all_gather", 2 * GIB, 256, None, 200, 0.10),
 ])
 def test_model_busbw_matches_published_nccl_tests(label, hw, op, size, ranks, nics, published, tol):
     model = _busbw(hw, op, size, ranks, nics)
@@ -65,3 +63,16 @@ def test_ring_latency_grows_with_ranks_and_tree_with_log_nodes():
 def _ranks(n: int) -> net.Group:
     """n consecutive ranks on DGX-style nodes of 8 GPUs."""
     return net.Group.of(Layout.of(n, devices_per_node=8), "dp")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "recorded miss (issue 35): nccl #1218's all_gather of 2 GB over 256 H100s ran at 200 GB/s busbw; "
+    "under NCCL's own ring latency (each step at its hop's latency, tuning.cc) the model gives "
+    "~305 GB/s. That run forced NCCL_MIN/MAX_NCHANNELS=16 and one QP per connection, so each of "
+    "its 255 steps moved a whole 512 KB chunk per channel: a per-channel bandwidth limit the model "
+    "does not have. The lock-step latency that matched it (every step at the network hop) leaves "
+    "FSDP at 2,048 H100s 4x slower than the study measured (SOURCES.md, issue 35)"))
+def test_256_h100_all_gather_of_2_gb_nccl_1218():
+    model = _busbw("h100-80gb", "all_gather", 2 * GIB, 256)
+    print(f"\n256 H100 all_gather 2 GB: published 200 GB/s, model {model:.1f} GB/s")
+    assert abs(model / 200 - 1) <= 0.10

@@ -12,7 +12,8 @@ import pytest
 
 from scalestudy.perfmodel.predict import predict_many
 from scalestudy.spec import catalog
-from scalestudy.spec.load import load_spec, plan
+from scalestudy.spec.load import load_spec
+from scalestudy.plan import plan_study
 
 PAPER = Path(__file__).parents[2] / "experiments" / "paper"
 STUDIES = ["fsdp_scaling", "model_parallel", "fixed_workload", "hardware_generations",
@@ -20,7 +21,7 @@ STUDIES = ["fsdp_scaling", "model_parallel", "fixed_workload", "hardware_generat
 
 
 def _predict(name: str):
-    return predict_many(plan(load_spec(PAPER / f"{name}.yaml")))
+    return predict_many(plan_study(load_spec(PAPER / f"{name}.yaml")))
 
 
 @pytest.mark.parametrize("name", STUDIES)

@@ -34,7 +34,11 @@ from scalestudy.perfmodel.predict import simulate
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.spec.study import TrialConfig
 
-MAPE_BOUND, ROW_BOUND = 0.20, 0.40
+MAPE_BOUND, ROW_BOUND = 0.20, 0.40  # issue 15's bounds: hard tests
+# Issue 35's: MAPE <= 12% and no row beyond 30% but one recorded known miss, from >= 90 rows of >= 9
+# sources, at most one known miss per 30 rows. The row and source counts are hard tests; the bounds,
+# not met today, are strict xfails that show in every run's summary (an XPASS means they are met).
+ISSUE35_MAPE, ISSUE35_ROW, MIN_ROWS, MIN_SOURCES, ROWS_PER_KNOWN_MISS = 0.12, 0.30, 90, 9, 30
 FITTED = ("gemm_efficiency",)
 # Source group each catalogue efficiency was read from (hardware.yaml's calibration comment): rows
 # of these groups are in-sample for it.
@@ -79,10 +83,15 @@ def _fit(rows: list[Row]) -> dict[str, dict[str, float]]:
     return out
 
 
-def _score(row: Row, fitted: dict[str, dict[str, float]], label: str) -> Scored:
+def _score(row: Row, fitted: dict[str, dict[str, float]], label: str,
+           family: dict[tuple[str, str], float] | None = None) -> Scored:
     if row.cfg is None:
         return Scored(row, None, f"not scored (spec: {row.reason})")
-    update = fitted.get(row.chip, {})
+    update = dict(fitted.get(row.chip, {}))
+    eff = (family or {}).get((row.group, row.family))
+    if eff is not None:
+        update["software_efficiency"] = eff
+        label += f"; {row.family} efficiency {eff:.3f} (other sources)"
     pred = per_gpu(row.cfg, row.hardware, row.params.model_copy(update=update))
     without = None
     if row.without:
@@ -170,6 +179,10 @@ def _summary(val: list[Scored]) -> None:
           f"mean over sources {statistics.mean(_mape(v) for v in by_group.values()):.1%}")
     print("per source: " + ", ".join(f"{g} {_mape(v):.1%} ({len(v)} rows)"
                                       for g, v in sorted(by_group.items())))
+    plain = [s.error for s in ok if not s.row.known_miss]
+    print(f"without the {len(ok) - len(plain)} recorded known misses: MAPE {_mape(plain):.1%}, "
+          f"worst row {max(abs(e) for e in plain):.1%} (issue 35's bounds: "
+          f"{ISSUE35_MAPE:.0%}, {ISSUE35_ROW:.0%})")
     plain = [s.error_without if s.error_without is not None else s.error for s in ok]
     marked = sum(1 for s in ok if s.row.after_scoring)
     print(f"without the settings chosen after first scoring ({marked} rows †): MAPE "
@@ -183,35 +196,84 @@ def _summary(val: list[Scored]) -> None:
         print(f"memory model says these published runs do not fit (scored anyway): {', '.join(disagree)}")
 
 
+def _family_fits(rows: list[Row], chips: dict[str, dict[str, float]]
+                 ) -> tuple[dict[tuple[str, str], float], list[str]]:
+    """(source group, family) -> software_efficiency (issue 35, item 8) fitted on the family's rows
+    of the OTHER validation sources only (each with its chip's calibration fit), so no row is scored
+    by a fit that saw its own source; a family with no other source keeps 1. And the lines that
+    report each fit (per family, per source left out)."""
+    ok = [r for r in rows if r.cfg is not None and r.family]
+    out: dict[tuple[str, str], float] = {}
+    lines = []
+    for group, family in sorted({(r.group, r.family) for r in ok}):
+        others = [r for r in ok if r.family == family and r.group != group]
+        if not others:
+            lines.append(f"{family} for {group}: no other source of this family, 1.000")
+            continue
+        bases = [r.params.model_copy(update=chips.get(r.chip, {})) for r in others]
+        cfgs = [r.cfg.model_copy(update={"hardware_profile": r.hardware}) for r in others]
+        fit = fit_rows(cfgs, [r.published for r in others], bases, ("software_efficiency",))
+        out[(group, family)] = fit["software_efficiency"]
+        sources = sorted({r.group for r in others})
+        lines.append(f"{family} for {group}: {out[(group, family)]:.3f} from {len(others)} rows of "
+                     f"{', '.join(sources)}")
+    return out, lines
+
+
 @functools.lru_cache(maxsize=1)
 def _scored() -> list[Scored]:
     """Score every row once (printed) for the tests below; returns the validation rows."""
     cal, full = _calibration()
     _table("calibration rows, each scored without its own source (leave-one-source-out)", cal)
     fitted = ", ".join(f"{chip} {k} {v:.3f}" for chip, f in full.items() for k, v in f.items())
-    val = [_score(r, full, "out of sample: fit on all calibration rows") for r in load("validation.yaml")]
-    _table(f"validation rows (never fitted; fitted on all calibration rows: {fitted})", val)
+    rows = load("validation.yaml")
+    family, lines = _family_fits(rows, full)
+    print("\nsoftware efficiency per framework family, each source scored by a fit without it:\n  "
+          + "\n  ".join(lines))
+    val = [_score(r, full, "out of sample: fit on all calibration rows", family) for r in rows]
+    _table(f"validation rows (gemm_efficiency fitted on all calibration rows: {fitted}; family "
+           "efficiency on the family's other sources)", val)
     _summary(val)
     return val
 
 
 def test_published_throughput_mape_leave_one_source_out():
     val = [s for s in _scored() if s.predicted is not None]
-    assert len(val) >= 15 and len({s.row.group for s in val}) >= 5
+    assert len(val) >= MIN_ROWS and len({s.row.group for s in val}) >= MIN_SOURCES
     assert _mape([s.error for s in val]) <= MAPE_BOUND
 
 
-def test_no_published_row_beyond_the_row_bound_but_the_recorded_known_misses():
-    """Every row over the bound is a known miss recorded in the data with where it was investigated;
-    every recorded miss is still over the bound (a fixed one loses its record) and no worse than when
-    it was first seen (+5 points), so the record can neither hide a new failure nor a regression."""
+@pytest.mark.xfail(strict=True, reason="issue 35's MAPE <= 12% is not met (SOURCES.md: the LOSO table "
+                   "per source; the DeepSpeed 2021 ZeRO-3 rows alone add ~6 points)")
+def test_issue35_mape_bound():
     val = [s for s in _scored() if s.predicted is not None]
-    beyond = {s.row.id: s.error for s in val if abs(s.error) > ROW_BOUND}
+    assert _mape([s.error for s in val]) <= ISSUE35_MAPE
+
+
+@pytest.mark.xfail(strict=True, reason="issue 35's 'no row beyond 30% but one known miss, at most one "
+                   "per 30 rows' is not met: nine recorded known misses (six DeepSpeed 2021 ZeRO-3 rows, "
+                   "llm-foundry's 70B on 64 A100-40GB, two llm-foundry FP8 rows at 32k tokens)")
+def test_issue35_row_bound_and_known_miss_rule():
+    val = [s for s in _scored() if s.predicted is not None]
+    beyond = [f"{s.row.id} {s.error:+.1%}" for s in val
+              if abs(s.error) > ISSUE35_ROW and not s.row.known_miss]
+    known = [s.row.id for s in val if s.row.known_miss]
+    assert not beyond, f"rows over {ISSUE35_ROW:.0%}: {', '.join(beyond)}"
+    assert len(known) <= len(val) // ROWS_PER_KNOWN_MISS, f"{len(known)} known misses: {known}"
+
+
+def test_no_published_row_beyond_the_row_bound_but_the_recorded_known_misses():
+    """Every row over issue 35's row bound (30%) is a known miss recorded in the data with where it
+    was investigated; every recorded miss is still over it (a fixed one loses its record) and no
+    worse than when it was first seen (+5 points), so the record can neither hide a new failure nor
+    a regression. (How many may be recorded: test_issue35_row_bound_and_known_miss_rule.)"""
+    val = [s for s in _scored() if s.predicted is not None]
+    beyond = {s.row.id: s.error for s in val if abs(s.error) > ISSUE35_ROW}
     known = {s.row.id: s for s in val if s.row.known_miss}
     new = [f"{r} {e:+.1%}" for r, e in beyond.items() if r not in known]
-    assert not new, f"rows over {ROW_BOUND:.0%}: {', '.join(new)}"
+    assert not new, f"rows over {ISSUE35_ROW:.0%}: {', '.join(new)}"
     fixed = [r for r in known if r not in beyond]
-    assert not fixed, f"known misses now within {ROW_BOUND:.0%}: remove their known_miss: {fixed}"
+    assert not fixed, f"known misses now within {ISSUE35_ROW:.0%}: remove their known_miss: {fixed}"
     worse = [f"{r} {s.error:+.1%}" for r, s in known.items()
              if abs(s.error) > abs(s.row.known_miss["error_when_seen"]) + 0.05]
     assert not worse, f"known misses worse than when first seen: {', '.join(worse)}"

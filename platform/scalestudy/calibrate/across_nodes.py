@@ -2,7 +2,7 @@
 
 `scalestudy calibrate --across-nodes N` ends with this step on the current Ray cluster: a Ray Train
 group of one worker per node on N nodes (STRICT_SPREAD: never two on one node), each holding one
-device as a trial's worker does (train/placement.py's profile_resources), runs all_reduce,
+device as a trial's worker does (launch/placement.py's profile_resources), runs all_reduce,
 all_gather and reduce_scatter over the group at growing message sizes, as nccl-tests measures
 (collectives.py on CPU, gloo; gpu.py on CUDA, NCCL: warm-up, fixed count, median, slowest rank).
 
@@ -19,13 +19,12 @@ hold the device (a STRICT_SPREAD group that cannot be placed would wait forever)
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from scalestudy.metrics import CALIBRATED_COLLECTIVES
 from scalestudy.spec.catalog import HardwareProfile
-from scalestudy.train.placement import profile_device_resource, profile_resources
+from scalestudy.launch.placement import profile_device_resource, profile_resources
 
 RESULT_FILE = "across_nodes.json"
 
@@ -56,7 +55,7 @@ def check_cluster(hw: HardwareProfile, nodes: int) -> None:
     """check_nodes on the current Ray cluster (joined, or started here when none is)."""
     import ray
 
-    from scalestudy.train.launch import ensure_ray
+    from scalestudy.launch.ray_train import ensure_ray
 
     ensure_ray()
     check_nodes(hw, nodes, ray.nodes())
@@ -68,7 +67,7 @@ def across_nodes_loop(config: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from scalestudy.calibrate.run import report_result
-    from scalestudy.train.placement import gather_node_ids
+    from scalestudy.launch.placement import gather_node_ids
 
     world = dist.get_world_size()
     if torch.cuda.is_available():
@@ -94,17 +93,19 @@ def across_nodes_loop(config: dict[str, Any]) -> None:
                   RESULT_FILE)
 
 
-def measure(hw: HardwareProfile, nodes: int, quick: bool = False) -> dict[str, Any]:
-    """Rank 0's result of the group on `nodes` nodes of the current Ray cluster."""
-    from scalestudy.calibrate.run import run_group
+def measure(hw: HardwareProfile, nodes: int, quick: bool = False,
+            results_root: str | Path | None = None) -> dict[str, Any]:
+    """Rank 0's result of the group on `nodes` nodes of the current Ray cluster. Ray Train's storage
+    is under the results root (calibration_storage): each worker writes its report from its own
+    node, so a folder only the driver's machine has would lose it."""
+    from scalestudy.calibrate.run import calibration_storage, run_group
 
     check_cluster(hw, nodes)
     use_gpu = profile_device_resource(hw) == "GPU"
     scaling = {"num_workers": nodes, "use_gpu": use_gpu, "resources_per_worker": profile_resources(hw),
                "placement_strategy": "STRICT_SPREAD", "accelerator_type": hw.accelerator_type}
-    storage = Path(tempfile.mkdtemp(prefix="scalestudy-calibrate-nodes-"))
-    return run_group(across_nodes_loop, {"quick": quick}, scaling, storage, "calibrate-nodes",
-                     RESULT_FILE, backend="nccl" if use_gpu else "gloo")
+    return run_group(across_nodes_loop, {"quick": quick}, scaling, calibration_storage(results_root),
+                     "calibrate-nodes", RESULT_FILE, backend="nccl" if use_gpu else "gloo")
 
 
 def with_network(hw: HardwareProfile, measured: dict[str, Any]) -> HardwareProfile:
@@ -122,8 +123,9 @@ def with_network(hw: HardwareProfile, measured: dict[str, Any]) -> HardwareProfi
     return HardwareProfile(**data)
 
 
-def calibrate_across_nodes(hw: HardwareProfile, nodes: int, quick: bool = False) -> HardwareProfile:
-    return with_network(hw, measure(hw, nodes, quick))
+def calibrate_across_nodes(hw: HardwareProfile, nodes: int, quick: bool = False,
+                           results_root: str | Path | None = None) -> HardwareProfile:
+    return with_network(hw, measure(hw, nodes, quick, results_root))
 
 
 def summary(hw: HardwareProfile) -> str:

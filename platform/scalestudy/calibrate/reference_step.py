@@ -48,13 +48,70 @@ OVERHEAD_RANGE_S = (0.0, 0.01)  # per ZeRO-3 module run; 10 ms only bounds the s
 
 
 def reference_config(precision: str, world_size: int, hardware: str = "cpu-local",
-                     zero_stage: int = 0, tp: int = 1) -> TrialConfig:
+                     zero_stage: int = 0, tp: int = 1, pp: int = 1) -> TrialConfig:
     """The reference trial on ``hardware`` (a catalogue name or profile path): the GPU shape on GPU
-    profiles, the CPU one otherwise."""
-    shape = REFERENCE_GPU if resolve_hardware(hardware).kind == "gpu" else REFERENCE
+    profiles, the CPU one otherwise. With pp > 1, the pipeline reference: PIPELINE_MICRO_BATCHES
+    micro-batches per step under 1F1B."""
+    shape = REFERENCE_GPU if resolve_hardware(hardware).is_gpu else REFERENCE
+    pipeline = ({"pp": pp, "global_batch": shape["micro_batch"] * PIPELINE_MICRO_BATCHES,
+                 "schedule": "1f1b"} if pp > 1 else {})
     spec = validate_spec({"name": "calibrate-reference", "hardware": hardware, "precision": precision,
-                          "world_size": world_size, **shape, "zero_stage": zero_stage, "tp": tp})
+                          "world_size": world_size, **shape, "zero_stage": zero_stage, "tp": tp,
+                          **pipeline})
     return expand(spec)[0].config
+
+
+# The pipeline reference (pp = world, 1F1B): 4 micro-batches of the reference shape per step. Only
+# its p2p and schedule cost is new to the model; the blocks are llama2-calib's, whose compute the
+# factors above already reproduce. No scored pipeline trial (tests/validation/test_pipeline_model.py)
+# shares its model or its tokens per micro-batch.
+PIPELINE_MICRO_BATCHES = 4
+P2P_SIZES_BYTES = [2**k for k in range(12, 23, 2)]  # 4 KiB .. 4 MiB: the studies' activations
+QUICK_P2P_SIZES_BYTES = [2**12, 2**16, 2**19, 2**22]
+
+
+def measure_pipeline_step_s(precision: str, steps: int) -> float:
+    """Seconds of a step of the pipeline reference on every rank of the current process group
+    (pp = world; train/schedules.py), timed as trials time theirs: the slowest rank's time of each
+    step, the median over steps."""
+    import torch
+    import torch.distributed as dist
+
+    from scalestudy.train.schedules import measure_steps
+
+    world = dist.get_world_size()
+    cfg = reference_config(precision, world, pp=world)
+    times, _ = measure_steps(cfg, torch.device("cpu"), WARMUP_STEPS, steps)
+    return statistics.median(times)
+
+
+def p2p_curve(sizes: list[int], iters: int) -> list[list[float]]:
+    """[bytes, GB/s] of one send/recv between pipeline neighbours (ranks 0 and 1 of the current
+    group; the others wait), timed as a ping-pong: a message there and back, half the round trip
+    per transfer, the median of ``iters``. The busbw_gbps_send_recv curve of a profile: what
+    perfmodel/network.py prices a pipeline's p2p with (busbw = algbw for send/recv)."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    curve = []
+    for size in sizes:
+        buf = torch.zeros(size // 4, dtype=torch.float32)
+        times = []
+        for _ in range(iters + 2):  # two warm-up round trips
+            dist.barrier()
+            t = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, dst=1)
+                dist.recv(buf, src=1)
+            elif rank == 1:
+                dist.recv(buf, src=0)
+                dist.send(buf, dst=0)
+            times.append((time.perf_counter() - t) / 2)
+        half = torch.tensor([statistics.median(times[2:])], dtype=torch.float64)
+        dist.broadcast(half, src=0)
+        curve.append([float(size), size / half.item() / 1e9])
+    return curve
 
 
 def measure_step_s(precision: str, steps: int, tp: int = 1) -> float:

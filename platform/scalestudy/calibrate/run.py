@@ -52,6 +52,7 @@ from scalestudy.calibrate.collectives import comm_curves
 from scalestudy.calibrate.kernels import (attention_rows, cross_entropy_rows, engine_costs,
                                           gemm_curve, op_overhead_s, stream_gbps)
 from scalestudy.spec.catalog import HardwareProfile
+from scalestudy.track.storage import default_results_root, join, ray_storage
 
 RESULT_FILE = "calibration.json"
 # Shapes off every scored study's (reference_step.py; tests/unit/test_calibrate_local.py checks):
@@ -196,16 +197,26 @@ def report_result(res: dict[str, Any], filename: str) -> None:
         ray.train.report({"done": 1}, checkpoint=checkpoint)
 
 
-def run_group(loop, config: dict[str, Any], scaling: dict[str, Any], storage: Path, name: str,
-              filename: str, backend: str = "gloo") -> dict[str, Any]:
-    """One Ray Train run of `loop` with these ScalingConfig arguments; rank 0's reported JSON."""
+def calibration_storage(results_root: str | Path | None = None) -> dict[str, Any]:
+    """Ray Train's storage (RunConfig's storage_path, storage_filesystem) for calibration runs:
+    <results root>/calibrate/ray, the root every node of a cluster writes (an object store or a
+    shared mount), never a temporary folder of the driver's machine, where a worker on another node
+    would write its result to a folder of the same name on its own disk. Default root: the one every
+    scalestudy command takes ($SCALESTUDY_RESULTS_ROOT, else ./results)."""
+    return ray_storage(join(results_root or default_results_root(), "calibrate", "ray"))
+
+
+def run_group(loop, config: dict[str, Any], scaling: dict[str, Any], storage: dict[str, Any],
+              name: str, filename: str, backend: str = "gloo") -> dict[str, Any]:
+    """One Ray Train run of `loop` with these ScalingConfig arguments, in `storage` (RunConfig's
+    storage keywords: calibration_storage); rank 0's reported JSON."""
     import uuid
 
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from scalestudy.train.placement import on_this_node
+    from scalestudy.launch.placement import on_this_node
 
     relay = ray.remote(num_cpus=0)(_Lines).options(**on_this_node()).remote()
     trainer = TorchTrainer(
@@ -213,8 +224,7 @@ def run_group(loop, config: dict[str, Any], scaling: dict[str, Any], storage: Pa
         train_loop_config={**config, "progress": relay},
         scaling_config=ScalingConfig(**scaling),
         torch_config=TorchConfig(backend=backend),
-        run_config=RunConfig(name=f"{name}-{uuid.uuid4().hex[:6]}",
-                             storage_path=str(storage.resolve()),
+        run_config=RunConfig(name=f"{name}-{uuid.uuid4().hex[:6]}", **storage,
                              failure_config=FailureConfig(max_failures=0)),
     )
     try:
@@ -225,7 +235,7 @@ def run_group(loop, config: dict[str, Any], scaling: dict[str, Any], storage: Pa
         return json.loads((Path(d) / filename).read_text())
 
 
-def _fit(world: int, config: dict[str, Any], storage: Path) -> dict[str, Any]:
+def _fit(world: int, config: dict[str, Any], storage: dict[str, Any]) -> dict[str, Any]:
     return run_group(calibration_loop, config,
                      {"num_workers": world, "resources_per_worker": {"CPU": 1}}, storage,
                      f"calibrate-ws{world}", RESULT_FILE)
@@ -276,22 +286,23 @@ def build_profile(base: HardwareProfile, alone: dict, shared: dict | None,
 
 
 def calibrate(base: HardwareProfile, quick: bool = False, precisions: list[str] | None = None,
-              max_world: int = 2) -> HardwareProfile:
+              max_world: int = 2, results_root: str | Path | None = None) -> HardwareProfile:
     """Run the microbenchmarks on the current Ray cluster (started locally when none is joined); a
     GPU profile is calibrated on this machine's GPUs instead, one process per GPU and no Ray
-    (calibrate/gpu.py; one node: the catalogue's network figure stays)."""
+    (calibrate/gpu.py; one node: the catalogue's network figure stays). Ray Train's runs are kept
+    under `results_root` (calibration_storage)."""
     if base.kind == "gpu":
         from scalestudy.calibrate.gpu import calibrate_local_gpus
 
         return calibrate_local_gpus(base, quick=quick)
     import ray
 
-    from scalestudy.train.launch import ensure_ray
+    from scalestudy.launch.ray_train import ensure_ray
 
     ensure_ray()
     precisions = precisions or default_precisions(base)
     config = {"quick": quick, "precisions": precisions}
-    storage = Path(tempfile.mkdtemp(prefix="scalestudy-calibrate-"))
+    storage = calibration_storage(results_root)
     alone = _fit(1, config, storage)
     world = min(max_world, int(ray.cluster_resources().get("CPU", 1)))
     shared = _fit(world, config, storage) if world >= 2 else None

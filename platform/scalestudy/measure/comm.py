@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from scalestudy import metrics as M
 from scalestudy.metrics import CollectiveStats, busbw_factor
 from scalestudy.measure.overlap import TraceIntervals, clip, kind_of, measure
 
@@ -132,7 +133,7 @@ def stats_from_comms_logger(
         a = acc.setdefault(kind, [0.0, 0.0, 0.0])
         for msg_size, vals in by_size.items():
             count, latencies_ms = vals[0], vals[1]
-            full = msg_size * world_size if kind == "all_gather" else msg_size
+            full = msg_size * world_size if kind == M.ALL_GATHER else msg_size
             a[0] += count
             a[1] += full * count
             a[2] += sum(latencies_ms) * 1e-3

@@ -5,7 +5,7 @@ energy by the ranks per node. Only the node's meter owner (``NodeDevices.is_owne
 of the trial on that machine, see ``measure.devices``) starts a real meter; the others use ``NoMeter``
 and contribute zero energy to the cross-node sum.
 
-Meters (``node_energy_meter(kind, node)``; ``make_meter`` is the older per-local-rank entry point):
+Meters (``node_energy_meter(gpu, node)``; ``make_meter`` is the older per-local-rank entry point):
 * ``NvmlMeter``: the trial's GPUs on this node, looked up by UUID (CUDA_VISIBLE_DEVICES renumbers
   devices, NVML does not). NVML's total-energy counter (``nvmlDeviceGetTotalEnergyConsumption``,
   millijoules since driver load, Volta and newer) differenced per GPU; GPUs without the counter fall
@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from scalestudy import metrics as M
 from scalestudy.measure.devices import NodeDevices, load_nvml, nvml_handles
 from scalestudy.measure.pausable import Pausable
 from scalestudy.measure.rapl import (  # noqa: F401  RaplDomain, counter_delta: re-exported
@@ -274,56 +275,58 @@ def integrate_power_j(samples: list[tuple[float, float]]) -> float:
 # --- choice -----------------------------------------------------------------------------------------
 
 
-def make_meter(kind: str = "auto", *, local_rank: int = 0, nvml: Any = None,
+def make_meter(source: str = "auto", *, local_rank: int = 0, nvml: Any = None,
                powercap_root: str = POWERCAP_ROOT, device_uuids: list[str] | None = None,
                owner: bool | None = None):
-    """A startable meter: ``kind`` is "gpu" (NVML), "cpu" (RAPL), "none" or "auto" (NVML, then
-    RAPL). Ranks that do not own their node's meter get a NoMeter whatever the kind; ``owner``
+    """A startable meter of an energy source: "nvml", "rapl", "none" or "auto" (NVML, then RAPL).
+    Ranks that do not own their node's meter get a NoMeter whatever the source; ``owner``
     overrides the older local-rank-0 rule. ``device_uuids`` limits NVML to those GPUs (without it
     NVML meters every GPU of the machine: use ``node_energy_meter``)."""
     owner = is_meter_owner(local_rank) if owner is None else owner
     if not owner:
         return NoMeter(f"local rank {local_rank} is not its node's meter owner")
-    if kind == "none":
+    if source == "none":
         return NoMeter("energy metering disabled")
     reasons = []
-    if kind in ("gpu", "auto"):
+    if source in ("nvml", "auto"):
         try:
             return NvmlMeter(nvml, device_uuids=device_uuids)
         except Exception as e:  # noqa: BLE001  no driver, no GPU, no library: all mean "no NVML"
             reasons.append(f"NVML unavailable ({type(e).__name__}: {e})")
-    if kind in ("cpu", "auto"):
+    if source in ("rapl", "auto"):
         try:
             return RaplMeter(powercap_root)
         except Exception as e:  # noqa: BLE001
             reasons.append(f"RAPL unavailable ({type(e).__name__}: {e})")
     if not reasons:
-        raise ValueError(f"unknown meter kind {kind!r}; use gpu, cpu, auto or none")
+        raise ValueError(f"unknown energy source {source!r}; use nvml, rapl, auto or none")
     return NoMeter("; ".join(reasons))
 
 
-def node_energy_meter(kind: str, node: NodeDevices, *, nvml: Any = None,
+def node_energy_meter(gpu: bool, node: NodeDevices, *, nvml: Any = None,
                       powercap_root: str = POWERCAP_ROOT):
-    """The meter this rank runs for its node: the real one (the trial's GPUs on the node, by UUID)
-    on the node's owner, a NoMeter elsewhere. ``kind`` as in ``make_meter``."""
+    """The meter this rank runs for its node: on the node's owner the real one, NVML over the
+    trial's GPUs on the node (by UUID) for a GPU trial (``gpu``: HardwareProfile.is_gpu), RAPL for
+    a CPU one; a NoMeter elsewhere."""
     if not node.is_owner:
         return NoMeter(f"rank {node.rank} is not its node's meter owner (rank {node.owner_rank} is)")
-    if kind in ("gpu", "auto") and node.uuids:
-        return make_meter(kind, nvml=nvml, powercap_root=powercap_root, device_uuids=node.uuids, owner=True)
-    if kind == "gpu":
+    if not gpu:
+        return make_meter("rapl", powercap_root=powercap_root, owner=True)
+    if not node.uuids:
         return NoMeter("no CUDA device on this node's ranks")
-    return make_meter("cpu" if kind == "auto" else kind, powercap_root=powercap_root, owner=True)
+    return make_meter("nvml", nvml=nvml, device_uuids=node.uuids, owner=True)
 
 
 def energy_metrics(reading: EnergyReading, tokens: float) -> dict[str, float]:
-    """energy_per_token_j and tokens_per_j for ``tokens`` processed in the window (NaN-propagating)."""
+    """energy_j, power_w (per device), energy_per_token_j and tokens_per_j for ``tokens`` processed
+    in the window (NaN-propagating)."""
     e = reading.energy_j
     ok = math.isfinite(e) and e > 0 and tokens > 0
     return {
-        "energy_j": e,
-        "power_w": reading.power_w,
-        "energy_per_token_j": e / tokens if ok else NAN,
-        "tokens_per_j": tokens / e if ok else NAN,
+        M.ENERGY_J: e,
+        M.POWER_W: reading.power_w,
+        M.ENERGY_PER_TOKEN_J: e / tokens if ok else NAN,
+        M.TOKENS_PER_J: tokens / e if ok else NAN,
     }
 
 

@@ -4,7 +4,7 @@ devices, started and stopped outside the timed loop's hot path.
 How the trial body uses it (every rank runs the same calls)::
 
     node = gather_node_devices(device)                  # collective; before the timed window
-    meters = TrialMeters(cfg.hardware_profile.kind, node)
+    meters = TrialMeters(cfg.hardware_profile.is_gpu, node)
     ...warm-up steps...
     meters.start()                                      # once, just before the first timed step
     for step in timed_steps:
@@ -14,7 +14,7 @@ How the trial body uses it (every rank runs the same calls)::
                 save()
     sync(device); meters.stop()                         # once, after the last timed step's sync
     result = meters.reduce(device)                      # collective; any time after stop()
-    summary.update(result.summary(tokens))              # energy_j, power_w, utilization, ...
+                                                        # -> the trial summary (train/summary.py)
 
 Only the node's owner (lowest rank on the machine) runs real meters; they sample in background threads
 (power where the energy counter is missing, utilization always), so the training thread pays two
@@ -32,7 +32,7 @@ from typing import Any
 from scalestudy import metrics as M
 from scalestudy.measure.devices import NodeDevices
 from scalestudy.measure.energy import (
-    NAN, EnergyReading, NoMeter, energy_metrics, node_energy_meter, reduce_energy_across_ranks,
+    NAN, EnergyReading, NoMeter, node_energy_meter, reduce_energy_across_ranks,
 )
 from scalestudy.measure.pausable import Pausable
 from scalestudy.measure.rapl import POWERCAP_ROOT
@@ -46,35 +46,27 @@ class MeterResult:
     energy: EnergyReading
     utilization: float  # mean over the trial's GPUs (NVML %) or processes (CPU cores busy)
     utilization_metric: str  # M.DEVICE_UTILIZATION_PCT or M.CPU_UTILIZATION_CORES
-    utilization_reason: str | None = None
+    utilization_reason: str | None = None  # why utilization is NaN (nothing was sampled)
     devices_utilization: int = 0  # devices (GPU) or processes (CPU) in the mean
 
-    def summary(self, tokens: float) -> dict[str, Any]:
-        """JSON-ready fields for the trial's summary; ``tokens`` = the timed steps' tokens."""
-        e = self.energy
-        out = dict(energy_metrics(e, tokens))
-        out.update({
-            "energy_source": e.source, "energy_reason": e.reason, "energy_scope": e.scope,
-            "energy_excluded_s": e.excluded_s, "energy_excluded_intervals": e.excluded_intervals,
-            "utilization": self.utilization, "utilization_metric": self.utilization_metric,
-            "utilization_reason": self.utilization_reason,
-            "utilization_kind": ("NvmlUtilization" if self.utilization_metric == M.DEVICE_UTILIZATION_PCT
-                                 else "CpuUtilization"),
-        })
-        return out
+
+def _utilization_kind(gpu: bool) -> str:
+    # measure/utilization.py still takes the device kind as a string: the one place it is spelt.
+    return "gpu" if gpu else "cpu"
 
 
 class TrialMeters(Pausable):
-    """See the module docstring. ``kind`` is the hardware kind ("gpu" or "cpu"); ``energy=False``
-    leaves energy unmeasured (NaN, reason given) while utilization is still sampled."""
+    """See the module docstring. ``gpu`` is HardwareProfile.is_gpu (NVML meters, GPU utilization;
+    else RAPL and the processes' CPU use); ``energy=False`` leaves energy unmeasured (NaN, reason
+    given) while utilization is still sampled."""
 
-    def __init__(self, kind: str, node: NodeDevices, *, energy: bool = True, nvml: Any = None,
+    def __init__(self, gpu: bool, node: NodeDevices, *, energy: bool = True, nvml: Any = None,
                  powercap_root: str = POWERCAP_ROOT, reason_off: str = "energy metering disabled") -> None:
-        self.kind = kind
+        self.gpu = gpu
         self.node = node
-        self.energy = (node_energy_meter(kind, node, nvml=nvml, powercap_root=powercap_root) if energy
+        self.energy = (node_energy_meter(gpu, node, nvml=nvml, powercap_root=powercap_root) if energy
                        else NoMeter(reason_off))
-        self.utilization = node_utilization(kind, node, nvml=nvml)
+        self.utilization = node_utilization(_utilization_kind(gpu), node, nvml=nvml)
         self._energy_reading: EnergyReading | None = None
         self._util: dict[str, float] = {}
 
@@ -99,7 +91,7 @@ class TrialMeters(Pausable):
         if self._energy_reading is None:
             raise RuntimeError("TrialMeters.reduce before stop()")
         energy = reduce_energy_across_ranks(self._energy_reading, device=device, owner=self.node.is_owner)
-        metric = M.DEVICE_UTILIZATION_PCT if self.kind == "gpu" else M.CPU_UTILIZATION_CORES
+        metric = M.DEVICE_UTILIZATION_PCT if self.gpu else M.CPU_UTILIZATION_CORES
         mean, n = _mean_over_devices(self._util, device)
         # Rank 0 owns its node, so its sampler's reason is the informative one where nothing was sampled.
         reason = None if n else (getattr(self.utilization, "reason", None) or "no device was sampled")

@@ -37,6 +37,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from scalestudy import metrics as M
 from scalestudy.measure.comm_groups import GroupAnnotations
 
 Interval = tuple[float, float]  # (start, end), same unit throughout (the trace's microseconds)
@@ -96,26 +97,22 @@ def exposed_time(comm: Iterable[Interval], compute: Iterable[Interval]) -> float
 
 # --- canonical collective kinds --------------------------------------------------------------------
 
-KINDS: tuple[str, ...] = (
-    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "send_recv",
-    "gather", "scatter", "barrier", "other",
-)
+KINDS: tuple[str, ...] = M.COLLECTIVE_KINDS
+
+
+def _pattern(kind: str) -> tuple[str, str]:
+    """A kind's spelling in a lower-cased, separator-free op name ("reducescatter"), and the kind."""
+    return kind.replace("_", ""), kind
+
 
 # Ordered: the first pattern that matches the lower-cased, separator-free name wins, so
-# "reducescatter" is tested before "reduce" and "allreduce".
+# "reducescatter" is tested before "reduce" and "allreduce", "allgather" before "gather".
 _KIND_PATTERNS: tuple[tuple[str, str], ...] = (
-    ("reducescatter", "reduce_scatter"),
-    ("allreduce", "all_reduce"),
-    ("allgather", "all_gather"),
-    ("alltoall", "all_to_all"),
-    ("broadcast", "broadcast"),
-    ("sendrecv", "send_recv"),
-    ("send", "send_recv"),
-    ("recv", "send_recv"),
-    ("barrier", "barrier"),
-    ("reduce", "reduce"),
-    ("gather", "gather"),
-    ("scatter", "scatter"),
+    *map(_pattern, (M.REDUCE_SCATTER, M.ALL_REDUCE, M.ALL_GATHER, M.ALL_TO_ALL, M.BROADCAST,
+                    M.SEND_RECV)),
+    ("send", M.SEND_RECV),
+    ("recv", M.SEND_RECV),
+    *map(_pattern, (M.BARRIER, M.REDUCE, M.GATHER, M.SCATTER)),
 )
 
 
@@ -127,7 +124,7 @@ def kind_of(name: str) -> str:
     for pattern, kind in _KIND_PATTERNS:
         if pattern in key:
             return kind
-    return "other"
+    return M.OTHER
 
 
 # --- trace parsing ---------------------------------------------------------------------------------
@@ -178,6 +175,10 @@ def _prod(shape: list[int]) -> int:
     return n  # a 0-d tensor (shape []) has one element
 
 
+# Kinds whose nccl-tests size is the full buffer (the gathered output, the unscattered input).
+_FULL_BUFFER_KINDS = (M.ALL_GATHER, M.REDUCE_SCATTER, M.ALL_TO_ALL)
+
+
 def _call_bytes(kind: str, args: dict[str, Any]) -> tuple[int, bool]:
     """nccl-tests size of a c10d call (needs record_shapes=True): all_gather and reduce_scatter count
     the full (gathered / unscattered) buffer, i.e. the largest tensor argument; others the first one.
@@ -195,9 +196,9 @@ def _call_bytes(kind: str, args: dict[str, Any]) -> tuple[int, bool]:
             sizes.append(sum(_prod(s) for s in shape) * (typed[0] if typed else 4))
         elif t in _DTYPE_BYTES:
             sizes.append(_prod(shape) * _DTYPE_BYTES[t])
-    if not sizes or kind == "barrier":
+    if not sizes or kind == M.BARRIER:
         return 0, True
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+    if kind in _FULL_BUFFER_KINDS:
         return max(sizes), known
     return sizes[0], known
 
@@ -228,8 +229,8 @@ def _param_comms_call(e: dict[str, Any], groups: GroupAnnotations) -> Collective
     kind = kind_of(str(a.get("Collective name", "")))
     width = _PARAM_COMMS_DTYPE_BYTES.get(str(a.get("dtype", "")).strip('"'))
     n_in, n_out = int(a.get("In msg nelems", 0) or 0), int(a.get("Out msg nelems", 0) or 0)
-    nelems = max(n_in, n_out) if kind in ("all_gather", "reduce_scatter", "all_to_all") else n_in
-    if kind == "barrier":
+    nelems = max(n_in, n_out) if kind in _FULL_BUFFER_KINDS else n_in
+    if kind == M.BARRIER:
         nelems = 0
     return CollectiveCall(kind, nelems * (width or 4), e["ts"], e["ts"] + e["dur"], width is not None,
                           size)
@@ -286,7 +287,7 @@ def intervals_from_chrome_trace(trace: dict[str, Any] | list[dict[str, Any]]) ->
         call = out.calls[match] if match is not None else None
         add_comm(call.kind if call else kind_of(e["name"]), (e["ts"], e["ts"] + e["dur"]))
         # The worker span records the real tensor's dtype; it fills in a TensorList's unknown width.
-        if call and not call.width_known and call.kind in ("all_reduce", "broadcast", "reduce"):
+        if call and not call.width_known and call.kind in (M.ALL_REDUCE, M.BROADCAST, M.REDUCE):
             nbytes, known = _call_bytes(call.kind, e.get("args", {}))
             if known and nbytes:
                 call.bytes, call.width_known = nbytes, True
@@ -313,7 +314,7 @@ def intervals_from_chrome_trace(trace: dict[str, Any] | list[dict[str, Any]]) ->
 
 
 # Kinds gloo may execute a call as: gloo has no native reduce_scatter, c10d runs it as an all_reduce.
-_GLOO_EXECUTES_AS = {"reduce_scatter": {"reduce_scatter", "all_reduce"}}
+_GLOO_EXECUTES_AS = {M.REDUCE_SCATTER: {M.REDUCE_SCATTER, M.ALL_REDUCE}}
 
 
 def _attribute_gloo(gloo_spans: list[dict[str, Any]], calls: list[CollectiveCall]) -> list[int | None]:

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from scalestudy import metrics as M
 from scalestudy.metrics import CollectiveStats
 from scalestudy.measure.comm import (
     collective_stats, extrapolate_per_step, stats_from_comms_logger, stats_from_trace,
@@ -85,12 +86,12 @@ class ProfiledWindow:
     def summary(self) -> dict[str, Any]:
         """JSON-ready fields named as in TrialResult (comm, comm_time_s, ...) plus extras."""
         return {
-            "comm_time_s": self.comm_time_s,
-            "comm_exposed_s": self.comm_exposed_s,
-            "comm_exposed_fraction": self.comm_exposed_fraction,
+            M.COMM_TIME_S: self.comm_time_s,
+            M.COMM_EXPOSED_S: self.comm_exposed_s,
+            M.COMM_EXPOSED_FRACTION: self.comm_exposed_fraction,
             "comm": {k: v.model_dump() for k, v in self.comm.items()},
             "comm_logger": {k: v.model_dump() for k, v in self.comm_logger.items()},
-            "step_time_s_profiled": self.step_time_s_profiled,
+            M.STEP_TIME_S_PROFILED: self.step_time_s_profiled,
             "steps_profiled": self.n_steps,
             "micro_batches_profiled": self.micro_batches_profiled,
             "profiled_grad_accum": self.grad_accum,

@@ -22,7 +22,12 @@ def deepspeed_config(cfg: TrialConfig, layout: Layout | None = None) -> dict[str
         "zero_optimization": zero_config(cfg),
         "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
+        # No DeepSpeed timer in the timed window: the step times are ours (train/body.py), one device
+        # sync at each step's edges. The engine's breakdown timers stay off, and so does its
+        # throughput timer, which is on by default and synchronizes the device at every forward and
+        # every optimizer step (deepspeed/utils/timer.py ThroughputTimer, DeepSpeed 0.19).
         "wall_clock_breakdown": False,
+        "timers": THROUGHPUT_TIMER_OFF,
     }
     if precision == "bf16":
         ds["bf16"] = {"enabled": True}
@@ -36,6 +41,8 @@ def deepspeed_config(cfg: TrialConfig, layout: Layout | None = None) -> dict[str
         ds["train_batch_size"] = lay.global_batch
     return ds
 
+
+THROUGHPUT_TIMER_OFF = {"throughput": {"enabled": False, "synchronized": False}}
 
 # DeepSpeed's own defaults for the bucket sizes, written out so that every trial records them and a
 # change of DeepSpeed's defaults cannot change what a trial measured.

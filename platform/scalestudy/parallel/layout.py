@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
-from scalestudy.errors import InfeasibleTrial
+from scalestudy.errors import InfeasibleTrial, ReasonClass
 
 GRID_AXES = ("dp", "pp", "tp")  # the grid's dimensions, outermost first
 
@@ -101,19 +101,21 @@ class Layout:
                          self.devices_per_node)
 
     # --- checks -------------------------------------------------------------------------------
-    def check_model(self, model: ModelShape, seq_len: int) -> None:
+    def check_model(self, model: ModelShape, seq_len: int, virtual_stages: int = 1,
+                    fewer_first: int = 0, fewer_last: int = 0) -> None:
         """Tensor parallelism splits heads, KV heads and the FFN width; pipeline stages split
-        layers; no architecture runs a sequence longer than its positions (learned for GPT, the
-        rotary range the model was configured with for Llama)."""
+        layers (stage_layer_counts); no architecture runs a sequence longer than its positions
+        (learned for GPT, the rotary range the model was configured with for Llama)."""
         for field, size in (("num_heads", model.num_heads), ("num_kv_heads", model.kv_heads),
                             ("ffn_hidden_size", model.ffn)):
             if size % self.tp:
-                raise InfeasibleTrial(f"tp {self.tp} does not divide {field} {size}")
-        if model.num_layers % self.pp:
-            raise InfeasibleTrial(f"pp {self.pp} does not divide num_layers {model.num_layers}")
+                raise InfeasibleTrial(f"tp {self.tp} does not divide {field} {size}",
+                                      ReasonClass.model)
+        stage_layer_counts(model.num_layers, self.pp, virtual_stages, fewer_first, fewer_last)
         if seq_len > model.max_seq_len:
             what = "the learned positions" if model.architecture == "gpt" else "the model's max_seq_len"
-            raise InfeasibleTrial(f"seq_len {seq_len} exceeds {what} ({model.max_seq_len})")
+            raise InfeasibleTrial(f"seq_len {seq_len} exceeds {what} ({model.max_seq_len})",
+                                  ReasonClass.model)
 
     # --- nodes --------------------------------------------------------------------------------
     @property
@@ -141,12 +143,12 @@ class Layout:
         if self.tp > per_node:
             raise InfeasibleTrial(
                 f"tp {self.tp} exceeds the {per_node} devices per node of {hardware}: "
-                "a TP group would cross nodes")
+                "a TP group would cross nodes", ReasonClass.placement)
         if whole_nodes and not self.fits_one_node and self.world_size % per_node:
             raise InfeasibleTrial(
                 f"world_size {self.world_size} spans nodes but is not a multiple of the "
                 f"{per_node} devices per node of {hardware}: a trial larger than one node "
-                "takes whole nodes")
+                "takes whole nodes", ReasonClass.placement)
 
     def tp_groups_off_node(self, node_of_rank: list[str]) -> list[list[int]]:
         """The TP groups whose ranks sit on more than one node, given each rank's node (as the
@@ -208,3 +210,40 @@ def _placement(layout: Layout, axis: str) -> tuple[int, int, int]:
     members = layout.group_of(axis, 0)
     per_node = Counter(layout.node_of(r) for r in members)
     return len(members), max(per_node.values()), len(per_node)
+
+
+def stage_layer_counts(num_layers: int, pp: int, virtual_stages: int = 1, fewer_first: int = 0,
+                       fewer_last: int = 0) -> list[int]:
+    """Transformer blocks of each pipeline stage, in stage order (pp * virtual_stages stages; stage
+    s runs on pipeline rank s % pp, the interleaved schedule's loop placement), or InfeasibleTrial.
+
+    As torchtitan splits a model: the first stage also runs the embedding and the last the final
+    norm, LM head and loss, so either may take `fewer_first` / `fewer_last` blocks than the others.
+    The blocks plus those "missing" ones are split evenly (they must divide), then the first and
+    last stages give theirs up; every stage keeps at least one block. At the defaults this is the
+    even split, refused with the historic message when pp does not divide the layers."""
+    stages = pp * virtual_stages
+    effective = num_layers + fewer_first + fewer_last
+    if effective % stages:
+        if stages == pp and not (fewer_first or fewer_last):
+            raise InfeasibleTrial(f"pp {pp} does not divide num_layers {num_layers}",
+                                  ReasonClass.model)
+        extra = f" + fewer first/last {fewer_first}+{fewer_last}" if fewer_first or fewer_last else ""
+        raise InfeasibleTrial(
+            f"{stages} pipeline stages (pp {pp} x virtual_stages {virtual_stages}) do not divide "
+            f"num_layers {num_layers}{extra}", ReasonClass.model)
+    counts = [effective // stages] * stages
+    counts[0] -= fewer_first
+    counts[-1] -= fewer_last
+    if min(counts) < 1:
+        raise InfeasibleTrial(
+            f"pipeline stages of {counts} blocks: every stage needs at least one (num_layers "
+            f"{num_layers}, {stages} stages, fewer first/last {fewer_first}+{fewer_last})",
+            ReasonClass.model)
+    return counts
+
+
+def stage_ranges(counts: list[int]) -> list[range]:
+    """Block indices of each stage (consecutive, in stage order) from stage_layer_counts."""
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [range(a, a + n) for a, n in zip(starts, counts)]

@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from scalestudy.perfmodel import layouts
 from scalestudy.perfmodel.memory import params_per_device
 from scalestudy.perfmodel.params import ModelParams
 from scalestudy.spec.catalog import HardwareProfile, ModelDims, Precision
@@ -88,6 +89,12 @@ class ComputeTimes:
     hbm_bytes: float = 0.0
     optimizer_hbm_bytes: float = 0.0
     peak_rate: float = 0.0  # the fastest FLOP/s any kernel of this device reaches
+    # The attention core's forward and backward over the stage's blocks (context parallelism hides
+    # its ring's point-to-point steps behind them, layouts.py), and the blocks' GEMMs in forward
+    # (what overlapped TP collectives hide behind).
+    attention_forward_s: float = 0.0
+    attention_backward_s: float = 0.0
+    gemm_forward_s: float = 0.0
 
     @property
     def micro_batch_s(self) -> float:
@@ -142,9 +149,16 @@ class _Device:
             self.attn = max(c[1] for c in self.curve) * 1e12 * p.attention_efficiency
         self.flops = 0.0
         self.moved = 0.0
+        self.fp8 = 0.0  # FP8 GEMM rate while the block's GEMMs run in FP8 (layouts.py), else 0
 
     def gemm(self, m: float, k: float, n: float) -> float:
         flops = 2.0 * m * k * n
+        if self.fp8:  # FP8 operands (1 byte) after a cast of each from 16 bits (layouts.py)
+            moved = (m * k + k * n) + m * n * self.bytes
+            cast = (m * k + k * n) * layouts.FP8_CAST_BYTES
+            self.flops += flops
+            self.moved += moved + cast
+            return max(flops / self.fp8, moved / self.hbm) + cast / self.hbm
         rate = _curve_rate(self.curve, flops) if self.curve else self.peak
         moved = (m * k + k * n + m * n) * self.bytes
         self.flops += flops
@@ -190,15 +204,24 @@ def _layer_gemms(d: _Device, dims: ModelDims, tokens: float, tp: int) -> float:
 #   SwiGLU product (split across tp): SiLU (read, write) and multiply (two reads, one write) of f.
 #   (GPT: LayerNorm ~ the same passes, bias + GeLU on 4h instead of the SwiGLU product.)
 NORM_PASSES, RESIDUAL_PASSES, ROTARY_PASSES, COPY_PASSES, GATE_PASSES = 18, 3, 9, 2, 5
+# The same with fused kernels (params.fused_elementwise: Megatron-LM / Transformer Engine): a norm
+# reads its input and writes its output once (fp32 math in registers), rotary reads and writes q
+# and k once, the gated activation reads its two inputs and writes one.
+FUSED_PASSES = (2, 3, 2, 2, 3)
 
 
-def _layer_stream(d: _Device, dims: ModelDims, tokens: float, tp: int) -> float:
-    """Norms, residuals (replicated across tp), rotary/copies/activation product (split across tp)."""
+def _layer_stream(d: _Device, dims: ModelDims, tokens: float, tp: int, sp: bool = False,
+                  fused: bool = False) -> float:
+    """Norms, residuals (replicated across tp; 1/tp each with sequence parallelism, layouts.py),
+    rotary/copies/activation product (split across tp); fused kernels' pass counts when fused."""
     h, f = dims.hidden_size, dims.ffn
     kv = dims.kv_heads * dims.head_dim
-    rotary = ROTARY_PASSES * (h + kv) if dims.architecture == "llama" else 0  # GPT: learned positions
-    split = rotary + COPY_PASSES * (2 * h + 2 * kv) + GATE_PASSES * f
-    elements = tokens * (2 * NORM_PASSES * h + 2 * RESIDUAL_PASSES * h + split / tp)
+    norm, residual, rope, copy, gate = FUSED_PASSES if fused else (
+        NORM_PASSES, RESIDUAL_PASSES, ROTARY_PASSES, COPY_PASSES, GATE_PASSES)
+    rotary = rope * (h + kv) if dims.architecture == "llama" else 0  # GPT: learned positions
+    split = rotary + copy * (2 * h + 2 * kv) + gate * f
+    replicated = (2 * norm * h + 2 * residual * h) / (tp if sp else 1)
+    elements = tokens * (replicated + split / tp)
     return d.stream(elements)
 
 
@@ -214,8 +237,10 @@ def _attention(d: _Device, cfg: TrialConfig, p: ModelParams,
         return fwd, bwd, causal_flops, 2.5
     if p.fused_attention:
         # The fused backward recomputes QK^T: 2.5x the forward. A fused kernel's fixed cost per tile
-        # row amortises over the keys (FA2: 155 -> 189 TFLOP/s on A100 from 2k to 8k tokens).
-        rate = d.attn * s / (s + p.attention_half_seq)
+        # row amortises over the keys (FA2: 155 -> 189 TFLOP/s on A100 from 2k to 8k tokens); a
+        # context-parallel rank runs it on chunks of s / cp keys.
+        keys = s / cfg.cp
+        rate = d.attn * keys / (keys + p.attention_half_seq)
         return causal_flops / rate, 2.5 * causal_flops / rate, causal_flops, 2.5
     full_flops = 2 * causal_flops
     scores = tokens * s * dims.num_heads / tp
@@ -227,11 +252,14 @@ def _attention(d: _Device, cfg: TrialConfig, p: ModelParams,
 def compute_times(cfg: TrialConfig, p: ModelParams) -> ComputeTimes:
     dims, tp = cfg.model_dims, cfg.tp
     d = _Device(cfg.hardware_profile, cfg.precision, p)
-    tokens = float(cfg.seq_len * cfg.micro_batch)
+    tokens = layouts.local_tokens(cfg)
     layers = dims.num_layers // cfg.pp
 
+    d.fp8 = layouts.fp8_peak_flops(cfg.hardware_profile) * p.gemm_efficiency if cfg.fp8 else 0.0
+    d.best = max(d.best, d.fp8)
     gemm_f = _layer_gemms(d, dims, tokens, tp)
-    stream_f = _layer_stream(d, dims, tokens, tp)
+    d.fp8 = 0.0  # attention, norms and the LM head stay in 16 bits
+    stream_f = _layer_stream(d, dims, tokens, tp, cfg.sequence_parallel, p.fused_elementwise)
     block_flops, block_moved = d.flops, d.moved  # one block's forward
     attn_f, attn_b, attn_flops, attn_bwd = _attention(d, cfg, p, tokens)
     attn_moved = d.moved - block_moved
@@ -239,19 +267,22 @@ def compute_times(cfg: TrialConfig, p: ModelParams) -> ComputeTimes:
     head_gemm = d.gemm(tokens, dims.hidden_size, dims.vocab_size / tp)
     loss_f, loss_b = d.loss(tokens, dims.vocab_size / tp)
     redo = p.recompute_fraction if cfg.activation_checkpointing else 0.0
+    attn_redo = 0.0
+    if layouts.selective(cfg):  # the attention core only (layouts.py)
+        redo, attn_redo = 0.0, 1.0
     fwds = 1 + redo  # the recompute runs (that share of) the forward again
-    flops = (layers * ((fwds + 2) * block_flops + (fwds + attn_bwd) * attn_flops)
+    flops = (layers * ((fwds + 2) * block_flops + (fwds + attn_redo + attn_bwd) * attn_flops)
              + 3 * d.flops)  # LM head: forward + its two backward GEMMs
-    moved = layers * ((fwds + 2) * block_moved + attn_moved) + 3 * d.moved
+    moved = layers * ((fwds + 2) * block_moved + (1 + attn_redo) * attn_moved) + 3 * d.moved
 
     layer_f = gemm_f + stream_f + attn_f + FORWARD_OPS_PER_LAYER * d.op
     layer_b = 2 * gemm_f + 2 * stream_f + attn_b + BACKWARD_OPS_PER_LAYER * d.op
     fwd = layers * layer_f + head_gemm + loss_f + FORWARD_OPS_OUTSIDE * d.op
     bwd = layers * layer_b + 2 * head_gemm + loss_b + BACKWARD_OPS_OUTSIDE * d.op
-    recompute = layers * layer_f * redo
+    recompute = layers * (layer_f * redo + attn_f * attn_redo)
     # The parts above inside a real step (see params.py). The ZeRO-3 hook and optimizer figures below
     # were measured inside an engine step already, so in_step_slowdown does not apply to them.
-    k = p.in_step_slowdown
+    k = p.in_step_slowdown / p.software_efficiency  # (software_efficiency: params.py, item 8)
     fwd, bwd, recompute, layer_f, layer_b = (x * k for x in (fwd, bwd, recompute, layer_f, layer_b))
     if cfg.zero_stage == 3 and p.zero3_module_overhead_s:
         hooks = layers * MODULES_PER_LAYER[dims.architecture] + MODULES_OUTSIDE_LAYERS[dims.architecture]
@@ -270,4 +301,5 @@ def compute_times(cfg: TrialConfig, p: ModelParams) -> ComputeTimes:
     return ComputeTimes(fwd, bwd, recompute, optimizer, layers, block_forward_s=layer_f,
                         block_backward_s=layer_b, flops=flops, hbm_bytes=moved,
                         optimizer_hbm_bytes=held * ADAM_BYTES_PER_PARAM[cfg.precision],
-                        peak_rate=d.best)
+                        peak_rate=d.best, attention_forward_s=layers * attn_f * k,
+                        attention_backward_s=layers * attn_b * k, gemm_forward_s=layers * gemm_f * k)

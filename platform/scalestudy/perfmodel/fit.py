@@ -34,7 +34,7 @@ _BOUNDS = {  # (low, high) of the physical range, in the parameter's own units
     "in_step_slowdown": (1.0, 10.0), "shared_node_slowdown": (1.0, 10.0),
     "gemm_efficiency": (0.05, 1.0),
     "attention_efficiency": (0.05, 1.0), "network_efficiency": (0.05, 1.0),
-    "overlap_slowdown": (1e-3, 1.0),
+    "overlap_slowdown": (1e-3, 1.0), "software_efficiency": (0.3, 1.0),
 }
 
 
@@ -129,7 +129,10 @@ def fit_rows(cfgs: list[TrialConfig], measured: list[float], bases: list[ModelPa
     upper = upper or {}
     lo = np.log([_BOUNDS[n][0] for n in names])
     hi = np.log([min(_BOUNDS[n][1], upper.get(n, math.inf)) for n in names])
-    x0 = np.clip(np.log([getattr(bases[0], n) for n in names]), lo, hi)
+    # Start strictly inside the bounds: scipy's trf solver does not move off a start on a bound
+    # (it returned a start of 1.0 unchanged for software_efficiency, bounded above by 1).
+    inside = 0.02 * (hi - lo)
+    x0 = np.clip(np.log([getattr(bases[0], n) for n in names]), lo + inside, hi - inside)
     log_meas = np.log(np.asarray(measured, dtype=float))
 
     def residuals(x: np.ndarray) -> np.ndarray:

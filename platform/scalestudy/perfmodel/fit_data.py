@@ -26,7 +26,7 @@ def resolve_profile(name_or_path: str) -> HardwareProfile:
         raise SpecError("--hardware", name_or_path,
                         f"neither a catalogue entry ({', '.join(catalog.hardware_names())}) "
                         "nor a profile file")
-    return catalog.load_hardware_file(path)
+    return catalog.profile_from_file(path, "--hardware")
 
 
 def measured_pairs(results: list[TrialResult], hw: HardwareProfile

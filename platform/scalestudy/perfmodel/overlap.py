@@ -12,10 +12,12 @@ Algorithm, per micro-batch of one device (F forward, B backward incl. recomputat
   * ZeRO-0/1 gradient all_reduce overlaps only the last micro-batch's backward; the last bucket is
     exposed.
   * Blocking communication (TP all_reduces, pipeline send/recv) adds in full.
-Per step: m micro-batches of (compute + exposed); 1F1B pipelines add (pp - 1) micro-batch slots of
-bubble (Narayanan et al. 2021: bubble fraction (pp-1)/(m+pp-1)), (pp - 1) / V with V chunks per rank
-(the interleaved schedule, same paper); then the optimizer step and the ZeRO-1/2 post-step weight
-gather, neither of which overlaps anything.
+Per step: m micro-batches of (compute + exposed); pipelines (GPipe and 1F1B alike) add (pp - 1)
+micro-batch slots of bubble (Narayanan et al. 2021: bubble fraction (pp-1)/(m+pp-1)), (pp - 1) / V
+with V chunks per rank (the interleaved schedule, same paper); with stages of unequal blocks, the
+slowest rank paces the others and each other rank's slot is filled and drained once
+(pipeline_bubble); then the optimizer step and the ZeRO-1/2 post-step weight gather, neither of
+which overlaps anything.
 """
 
 from __future__ import annotations
@@ -47,8 +49,38 @@ def _exposed(comms: list[par.Comm], phase: str, window_s: float) -> tuple[float,
     return exposed, total - exposed
 
 
+def pipeline_bubble(slot: float, ct: ComputeTimes, m: int, pp: int, virtual: int,
+                    blocks: tuple[int, ...] | None) -> tuple[float, float]:
+    """(pace, bubble): the slot of the pipeline rank that paces the others and the seconds of fill
+    and drain per step, from ``slot``, one micro-batch's compute and blocking communication on the
+    stage ct describes (the last: it runs the LM head, with num_layers / pp blocks).
+
+    Balanced stages (no blocks given): that slot paces, bubble (pp - 1) / V slots. With each rank's
+    blocks: rank r's slot is ct's less the blocks it lacks and, but for the last rank, the head
+    and loss (ct's time outside its blocks); the slowest rank paces, and every other rank's slot is
+    filled and drained once: the pipeline runs m * pace + (sum of the slots - pace) / V, which is
+    (m + pp - 1) slots when balanced."""
+    if pp == 1:
+        return slot, 0.0
+    if not blocks:
+        return slot, (pp - 1) * slot / virtual
+    per_block = ct.block_forward_s + ct.block_backward_s
+    if ct.stage_layers:
+        per_block += ct.recompute_s / ct.stage_layers
+    outside = max(0.0, ct.micro_batch_s - ct.stage_layers * per_block)  # head, loss, their ops
+    last = ct.stage_layers * per_block + outside
+    slots = [max(0.0, slot - last + n * per_block + (outside if r == pp - 1 else 0.0))
+             for r, n in enumerate(blocks)]
+    pace = max(slots)
+    return pace, (sum(slots) - pace) / virtual
+
+
 def step_time(ct: ComputeTimes, comms: list[par.Comm], grad_accum: int, pp: int,
-              p: ModelParams, z3: par.Zero3Phases | None = None) -> StepTime:
+              p: ModelParams, z3: par.Zero3Phases | None = None,
+              blocks: tuple[int, ...] | None = None, virtual_stages: int | None = None) -> StepTime:
+    """``blocks``: transformer blocks per pipeline rank (parallelism.pipeline_blocks), None for
+    balanced stages; ``virtual_stages``: chunks per rank (parallelism.virtual_stages), None for
+    the profile's."""
     m, slow = grad_accum, p.overlap_slowdown
     bwd_window = ct.backward_s + ct.recompute_s
     if z3 is not None:
@@ -69,7 +101,9 @@ def step_time(ct: ComputeTimes, comms: list[par.Comm], grad_accum: int, pp: int,
     spare = max(0.0, bwd_window - hid_b - exp_b)
     exp_last, hid_last = _exposed(comms, par.LAST_BACKWARD, spare)
     after = sum(c.time_s for c in comms if c.phase == par.AFTER_STEP)
-    bubble = (pp - 1) * slot / p.pipeline_virtual_stages
+    pace, bubble = pipeline_bubble(slot, ct, m, pp, virtual_stages or p.pipeline_virtual_stages,
+                                   blocks)
+    compute_mb += pace - slot  # the pacing rank's compute (unequal stages; 0 when balanced)
     compute = m * compute_mb + ct.optimizer_s + slow * hid_last
     exposed = m * (exp_f + exp_b + blocking_mb) + exp_last + after
     step = compute + exposed + bubble

@@ -24,9 +24,11 @@ m = gradient-accumulation micro-batches, T = tokens per micro-batch):
     the critical path: nothing overlaps them. DeepSpeed AutoTP (params.tp_all_reduce_per_linear,
     and every trial of the measure backend: this platform's trials run AutoTP) all-reduces in
     backward once per column-parallel Linear instead (COLUMN_PARALLEL_LINEARS).
-  * PP (1F1B): one send/recv of T*h activations forward and one of their gradients backward per
-    micro-batch per stage boundary (Megatron's scatter/gather split sends 1/tp of it per tp rank);
-    the interleaved schedule crosses V boundaries per rank (params.pipeline_virtual_stages).
+  * PP: every micro-batch's T*h activation crosses each of the pp * V - 1 stage boundaries
+    forward and its gradient backward; a rank blocks on a send or a receive of each crossing it
+    takes part in, 4m(pp * V - 1)/pp per step on the mean rank (p2p_ops_per_rank). Megatron's
+    scatter/gather sends 1/tp of it per tp rank, the measured pipeline the whole; V chunks per rank
+    under the interleaved schedule (the trial's virtual_stages, else the profile's).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from scalestudy.perfmodel import layouts
 from scalestudy.perfmodel import network as net
 from scalestudy.perfmodel import zero3 as z3
 from scalestudy.perfmodel.compute import ComputeTimes
@@ -43,7 +46,7 @@ from scalestudy.perfmodel.memory import params_per_device
 from scalestudy.perfmodel.params import ModelParams
 from scalestudy.spec.catalog import ModelDims, Precision
 from scalestudy.spec.study import TrialConfig
-from scalestudy.spec.trial import Backend
+from scalestudy.spec.trial import Backend, GatherGranularity
 
 # Column-parallel Linears per block as AutoTP shards the Hugging Face modules (HF Llama: q, k, v,
 # gate, up; the "gpt" blocks are built as HF OPT: q, k, v, fc1): each all-reduces its input's
@@ -116,21 +119,52 @@ def communication(cfg: TrialConfig, p: ModelParams) -> list[Comm]:
             if cfg.zero_stage >= 1:
                 add(net.ALL_GATHER, AFTER_STEP, 1, held * w, dp_g)
     if cfg.tp > 1:
-        act = cfg.micro_batch * cfg.seq_len * dims.hidden_size * cfg.precision.bytes
+        act = layouts.local_tokens(cfg) * dims.hidden_size * cfg.precision.bytes
         # A measured trial ran this platform's TP, AutoTP, whatever the profile prices by default
         # (the catalogue's GPU profiles describe the published, Megatron-style runs).
         autotp = p.tp_all_reduce_per_linear or cfg.backend == Backend.measure
         backward = COLUMN_PARALLEL_LINEARS[dims.architecture] if autotp else 2
-        per_layer = 2 + backward + (2 * p.recompute_fraction if cfg.activation_checkpointing else 0)
-        add(net.ALL_REDUCE, BLOCKING, m * layers * per_layer, act, tp_g, name="tp",
-            extra_s=p.tp_collective_overhead_s)
+        # Full recomputation reruns the block's two forward collectives; selective recomputation
+        # reruns the attention core only, inside the TP region, with none (layouts.py).
+        redo = 2 * p.recompute_fraction if cfg.activation_checkpointing else 0
+        redo = 0 if layouts.selective(cfg) else redo
+        per_layer = 2 + backward + redo
+        for kind, calls in layouts.tp_collectives(cfg):  # sequence parallelism: AG + RS
+            add(kind, BLOCKING, m * layers * per_layer * calls, act, tp_g, name="tp",
+                extra_s=p.tp_collective_overhead_s)
     if cfg.pp > 1:
-        act = cfg.micro_batch * cfg.seq_len * dims.hidden_size * cfg.precision.bytes / cfg.tp
+        act = layouts.local_tokens(cfg) * dims.hidden_size * cfg.precision.bytes
+        # Megatron splits each boundary's activation over the tp ranks (scatter/gather); the
+        # measured pipeline (train/pipeline.py) sends every tp rank's whole, replicated copy.
+        act = act if cfg.backend == Backend.measure else act / cfg.tp
         crosses = cfg.tp * cfg.pp > g  # some stage boundary leaves the node
         pair = net.Group(2, 1, 2) if crosses else net.Group(2, 2, 1)
-        # interleaved: each micro-batch crosses V boundaries per rank (params.pipeline_virtual_stages)
-        add(net.SEND_RECV, BLOCKING, 2 * m * p.pipeline_virtual_stages, act, pair, name="pp")
+        add(net.SEND_RECV, BLOCKING, p2p_ops_per_rank(cfg, p), act, pair, name="pp")
     return out
+
+
+def virtual_stages(cfg: TrialConfig, p: ModelParams) -> int:
+    """Chunks per pipeline rank: the trial's own (interleaved_1f1b), else the profile's
+    pipeline_virtual_stages (a published run's interleaving, params.py)."""
+    return cfg.virtual_stages if cfg.virtual_stages > 1 else p.pipeline_virtual_stages
+
+
+def p2p_ops_per_rank(cfg: TrialConfig, p: ModelParams) -> float:
+    """Sends and receives a pipeline rank blocks on per step, the mean over ranks: each of the
+    pp * V - 1 stage boundaries is crossed by every micro-batch's activation (forward) and its
+    gradient (backward), each a send on one rank and a receive on the next. At pp = 2, V = 1: 2m
+    (the count this model always used); a middle rank posts 4m, the end ranks 2m."""
+    boundaries = cfg.pp * virtual_stages(cfg, p) - 1
+    return 4.0 * cfg.grad_accum * boundaries / cfg.pp
+
+
+def pipeline_blocks(cfg: TrialConfig) -> tuple[int, ...] | None:
+    """Transformer blocks of each pipeline rank (its chunks together; the last rank runs the LM
+    head), None without a pipeline: what overlap.step_time weighs the stages by."""
+    if cfg.pp == 1:
+        return None
+    counts = cfg.stage_layers
+    return tuple(sum(counts[r::cfg.pp]) for r in range(cfg.pp))
 
 
 def by_kind(comms: list[Comm]) -> dict[str, tuple[float, float, float]]:
@@ -157,15 +191,22 @@ class _Zero3Plan:
     emb_again: float  # embedding gathered again at the end of the backward
     keep: int         # last blocks the backward reuses without gathering
     reduced: float    # gradient elements reduce_scattered
+    # Per-block gathers (FSDP, gather_granularity block): elements each block reduce_scatters
+    # once its backward is done (0: DeepSpeed's buckets), and the prefetch window in elements.
+    block_reduce: float = 0.0
+    max_live: float = z3.MAX_LIVE
 
 
 def _plan(cfg: TrialConfig) -> _Zero3Plan:
-    return _plan_of(cfg.model_dims, cfg.tp, cfg.pp)
+    block = cfg.gather_granularity is GatherGranularity.block
+    return _plan_of(cfg.model_dims, cfg.tp, cfg.pp, block)
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_of(dims: ModelDims, tp: int, pp: int) -> _Zero3Plan:
+def _plan_of(dims: ModelDims, tp: int, pp: int, block: bool = False) -> _Zero3Plan:
     layers = dims.num_layers // pp
+    if block:
+        return _block_plan(dims, tp, pp, layers)
     groups = z3.gather_groups(z3.block_weights(dims, tp))
     blocks = layers * sum(groups)
     big = z3.PERSISTENCE_THRESHOLD
@@ -180,6 +221,24 @@ def _plan_of(dims: ModelDims, tp: int, pp: int) -> _Zero3Plan:
     keep = z3.retained_blocks(sum(groups), head, layers)
     reduced = params_per_device(dims, tp, pp)  # every gradient, persistent parameters' too
     return _Zero3Plan(groups, layers, emb, head, emb_again, keep, reduced)
+
+
+def _block_plan(dims: ModelDims, tp: int, pp: int, layers: int) -> _Zero3Plan:
+    """FSDP's gathers (issue 35, item 4). FSDP wraps every transformer block as one unit with one
+    flat parameter (torchtitan: fully_shard per block, then the root; llm-foundry and fms-fsdp: the
+    block class as the auto-wrap policy), so each gather is one whole block, norms included; the
+    root unit (embedding, final norm, LM head) is gathered before the forward and again for the
+    backward. The next unit's gather is issued while this one computes and no earlier (FSDP1's
+    limit_all_gathers and BACKWARD_PRE prefetch, FSDP2's one-unit prefetch): a window of two
+    blocks. After its backward each block reduce-scatters its own gradient. The last block is not
+    resharded before its backward (torchtitan's reshard_after_forward=False for it), the others
+    are gathered again: in the recompute forward under checkpointing, else in the backward."""
+    block = dims.layer_params() / tp
+    root = (dims.embedding_params() + dims.lm_head_params() + dims.hidden_size) / tp
+    root = root if pp == 1 else max(dims.embedding_params(), dims.lm_head_params()) / tp
+    reduced = params_per_device(dims, tp, pp)
+    return _Zero3Plan((block,), layers, root, 0.0, root, min(1, layers), reduced,
+                      block_reduce=block, max_live=2 * block * (1 + 1e-9))
 
 
 def _bucket(plan: _Zero3Plan) -> float:
@@ -203,7 +262,7 @@ def _zero3_calls(cfg: TrialConfig, p: ModelParams, g: net.Group, w: int):
         t = net.collective_time(net.ALL_GATHER, numel * w, g, hw, p)
         out += [(net.ALL_GATHER, FORWARD, fwd, numel * w, t),
                 (net.ALL_GATHER, BACKWARD, bwd, numel * w, t)]
-    bucket = _bucket(plan)
+    bucket = plan.block_reduce or _bucket(plan)
     t = net.collective_time(net.REDUCE_SCATTER, bucket * w, g, hw, p)
     out.append((net.REDUCE_SCATTER, BACKWARD, plan.reduced / bucket, bucket * w, t))
     return [c for c in out if c[2] > 0 and c[4] > 0]
@@ -247,10 +306,19 @@ def zero3_phases(cfg: TrialConfig, p: ModelParams, ct: ComputeTimes) -> Zero3Pha
     many = plan.reduced > z3.REDUCE_BUCKET
     rs_block = per_elem * plan.reduced / layers if many else 0.0  # persistent ones ride along
     rs_end = 0.0 if many else per_elem * plan.reduced
+    if plan.block_reduce:  # FSDP: each block's own reduce_scatter, the root's at the end
+        g = net.Group.along(cfg, "dp")
+        rs_block = net.collective_time(net.REDUCE_SCATTER, plan.block_reduce * w, g,
+                                       cfg.hardware_profile, p)
+        rs_end = net.collective_time(net.REDUCE_SCATTER, plan.emb * w, g, cfg.hardware_profile, p)
+    # The recompute forward's share of a block's forward (selective: the attention core only).
+    redo_share = p.recompute_fraction
+    if layouts.selective(cfg) and ct.block_forward_s:
+        redo_share = ct.recompute_s / (layers * ct.block_forward_s)
 
     def bwd_block(regather: bool) -> tuple[z3.Unit, ...]:
         if cfg.activation_checkpointing:  # recompute gathers; the backward then reuses them
-            k = p.recompute_fraction
+            k = redo_share
             redo = tuple(z3.Unit(k * u.compute_s, u.gather_s if regather else 0.0, u.numel)
                          for u in fwd)
             back = bwd
@@ -268,6 +336,6 @@ def zero3_phases(cfg: TrialConfig, p: ModelParams, ct: ComputeTimes) -> Zero3Pha
     backward = (((z3.Unit(out_b, 0.0, plan.head),), 1), (bwd_block(False), plan.keep),
                 (bwd_block(True), layers - plan.keep),
                 ((z3.Unit(0.0, gather(plan.emb_again), plan.emb_again, rs_end),), 1))
-    f_s, f_comm, _ = z3.run_phase(forward, p.zero3_prefetch)
-    b_s, b_comm, _ = z3.run_phase(backward, p.zero3_prefetch)
+    f_s, f_comm, _ = z3.run_phase(forward, p.zero3_prefetch, plan.max_live)
+    b_s, b_comm, _ = z3.run_phase(backward, p.zero3_prefetch, plan.max_live)
     return Zero3Phases(f_s, b_s, f_comm, b_comm)

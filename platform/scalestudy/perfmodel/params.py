@@ -38,6 +38,12 @@ class ModelParams(BaseModel):
     # 2022) or materialised scores (Megatron-LM 2021: batched GEMMs around a fused softmax), whose
     # a*s*s score tensors cost HBM traffic and memory (see compute.py and memory.py).
     fused_attention: bool = True
+    # The software stack fuses the elementwise work around the GEMMs (issue 35, item 8): Megatron-LM's
+    # and Transformer Engine's fused LayerNorm/RMSNorm, bias-GeLU / SwiGLU, bias-dropout-add and
+    # rotary kernels (Narayanan et al. 2021, Sec. 4.2 "operator fusion"; TE's fused modules) read
+    # and write each tensor once, where eager PyTorch (this platform's trials, HF models) runs every
+    # op as its own kernel (compute.py's pass counts). A software fact of a stack, never fitted.
+    fused_elementwise: bool = False
     # Achievable fraction of HBM bandwidth for streaming kernels (norms, activations, optimizer).
     hbm_efficiency: float = Field(0.8, gt=0, le=1)
     # Fixed cost of one kernel / framework op (launch + dispatch). GPU: ~5-10 us of CPU-side launch that
@@ -58,6 +64,13 @@ class ModelParams(BaseModel):
     # share caches, memory bandwidth and the cores the OS, Ray and the driver also need, and a
     # synchronous collective waits for the core that was interrupted. A GPU has its own SMs and HBM: 1.
     shared_node_slowdown: float = Field(1.0, ge=1)
+    # A framework family's compute against this model's kernel sum (issue 35, item 8): what its
+    # software stack (kernel choices and fusions, host-side work between kernels) costs a step of
+    # the same kernels. Divides forward, backward and recompute time. Never a per-source constant:
+    # tests/validation fits it per framework family (Megatron-LM, NeMo, DeepSpeed, PyTorch FSDP)
+    # from that family's published rows only, each source scored by a fit without it, and reports
+    # it per family. 1: the kernels as modelled (every catalogue profile).
+    software_efficiency: float = Field(1.0, gt=0, le=1)
     # Fixed cost per optimizer step outside the kernels above (engine bookkeeping, loss scaling,
     # gradient-norm reduction, data loading not hidden).
     step_overhead_s: float = Field(0.0, ge=0)

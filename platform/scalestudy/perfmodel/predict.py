@@ -12,18 +12,20 @@ import contextlib
 import functools
 import gc
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from scalestudy import metrics as M
 from scalestudy.metrics import CollectiveStats, Status, TrialResult
+from scalestudy.perfmodel import layouts
 from scalestudy.perfmodel import parallelism as par
 from scalestudy.perfmodel.compute import compute_times
 from scalestudy.perfmodel.flops import hardware_flops_per_token, model_flops_per_token, utilization
-from scalestudy.perfmodel.memory import memory_breakdown
+from scalestudy.perfmodel.memory import MemoryBreakdown, memory_breakdown, memory_refusal
 from scalestudy.perfmodel.overlap import StepTime, step_time
 from scalestudy.perfmodel.params import ModelParams, params_for
 from scalestudy.perfmodel.power import estimate_power
 from scalestudy.spec.catalog import HardwareProfile, ModelDims
-from scalestudy.spec.errors import InfeasibleTrial
+from scalestudy.errors import InfeasibleTrial, ReasonClass
 from scalestudy.spec.study import PlannedTrial, TrialConfig
 
 BACKEND = "simulate"
@@ -65,29 +67,38 @@ def simulate(cfg: TrialConfig, p: ModelParams | None = None) -> tuple[StepTime, 
     p = p or params_for(cfg.hardware_profile)
     ct = compute_times(cfg, p)
     comms = par.communication(cfg, p)
+    if cfg.cp > 1 or cfg.tp_comm_overlap:  # terms that need the compute times (layouts.py)
+        comms = layouts.with_layout_comms(cfg, p, ct, comms)
     z3 = par.zero3_phases(cfg, p, ct) if cfg.zero_stage == 3 and cfg.dp > 1 else None
     return step_time(ct, comms, cfg.grad_accum, cfg.pp, p, z3), comms
 
 
 def predict(cfg: TrialConfig, hardware: HardwareProfile | None = None,
-            params: ModelParams | None = None) -> TrialResult:
-    """One trial's predicted result; status `infeasible` with the reason when it cannot run."""
+            params: ModelParams | None = None, memory: MemoryBreakdown | Any = None
+            ) -> TrialResult:
+    """One trial's predicted result; status `infeasible` (class memory) with the reason when its
+    estimate breaks the memory rule (perfmodel/memory.py), the same rule the plan applies.
+    `memory`: the plan's estimate of this config (anything with total_gib and terms_gib), so it is
+    not computed twice."""
     if hardware is not None and hardware is not cfg.hardware_profile:
         cfg = cfg.model_copy(update={"hardware_profile": hardware, "hardware": hardware.name})
+        memory = None
     base = {**cfg.config_fields(), "backend": BACKEND}
     p = params or params_for(cfg.hardware_profile)
-    mem = memory_breakdown(cfg, fused_attention=p.fused_attention)
-    if mem.total_gib > cfg.hardware_profile.hbm_gib:
-        reason = (f"needs {mem.total_gib:.1f} GiB per device, "
-                  f"has {cfg.hardware_profile.hbm_gib:.0f} GiB")
+    mem = memory or memory_breakdown(cfg, fused_attention=p.fused_attention)
+    reason = memory_refusal(mem.total_gib, cfg.hardware_profile.hbm_gib)
+    if reason:
         return TrialResult(**base, status=Status.infeasible, reason=reason,
+                           reason_class=ReasonClass.memory.value,
                            peak_memory_gib=mem.total_gib, memory_source="model")
     st, comms = simulate(cfg, p)
     tokens_s = cfg.tokens_per_step / st.step_s
     per_device = tokens_s / cfg.world_size
     peak = cfg.hardware_profile.peak_flops(cfg.precision)
+    redo = (layouts.attention_share(cfg.model_dims, cfg.seq_len) if layouts.selective(cfg)
+            else p.recompute_fraction)  # selective recomputation: the attention core only
     mflops, hflops = _flops_per_token(cfg.model_dims, cfg.seq_len, cfg.activation_checkpointing,
-                                      p.recompute_fraction)
+                                      redo)
     pw = estimate_power(cfg, st, p)
     return TrialResult(
         **base,
@@ -117,22 +128,23 @@ def predict(cfg: TrialConfig, hardware: HardwareProfile | None = None,
                # GPU-only, like power_w_estimated; the node's other power is named apart.
                "total_power_w_estimated": pw.total_power_w,
                M.NODE_OVERHEAD_POWER_W_ESTIMATED: pw.node_overhead_w_per_device,
-               "memory_gib": {"params": mem.params_gib, "grads": mem.grads_gib,
-                              "optimizer": mem.optimizer_gib, "activations": mem.activations_gib,
-                              "overhead": mem.overhead_gib}},
+               "memory_gib": dict(mem.terms_gib)},
     )
 
 
 def predict_planned(planned: PlannedTrial) -> TrialResult:
-    """A planned trial (possibly infeasible by its degrees) -> its predicted result."""
+    """A planned trial (a plan entry: its verdict and memory estimate decided by the plan) -> its
+    predicted result; an infeasible one keeps the plan's reason and class."""
     if not planned.feasible:
-        base = {**planned.config.config_fields(), "backend": BACKEND}
-        return TrialResult(**base, status=Status.infeasible, reason=planned.reason)
+        return TrialResult.refused(planned, backend=BACKEND)
+    memory = getattr(planned, "memory", None)
     try:
-        return predict(planned.config)
+        return predict(planned.config, memory=memory)
     except InfeasibleTrial as err:  # a model term that cannot apply (kept typed, never a crash)
         base = {**planned.config.config_fields(), "backend": BACKEND}
-        return TrialResult(**base, status=Status.infeasible, reason=str(err))
+        return TrialResult(**base, status=Status.infeasible, reason=str(err),
+                           reason_class=err.reason_class.value)
+
 
 
 @contextlib.contextmanager

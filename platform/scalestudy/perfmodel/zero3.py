@@ -93,6 +93,9 @@ class _State:
     # segment is extrapolated, so shifting the clock leaves the entries untouched.
     history: deque | None = None
     history_base: float = 0.0
+    # Elements the prefetcher may hold gathered ahead of the running unit, its own included
+    # (DeepSpeed: stage3_max_live_parameters; FSDP: two blocks, see block_prefetch_window).
+    max_live: float = MAX_LIVE
 
     def shift(self, dt: float, busy: float) -> None:
         self.compute_end += dt
@@ -117,7 +120,7 @@ def _issue_time(s: _State, fetch_t: float, numel: float) -> float:
     earliest, live = fetch_t - s.history_base, numel
     for t, n in reversed(s.history):
         live += n
-        if live > MAX_LIVE:
+        if live > s.max_live:
             break
         earliest = t
     return earliest + s.history_base
@@ -183,11 +186,11 @@ def _run_segment(s: _State, units: tuple[Unit, ...], repeat: int, prefetch: bool
 
 @functools.lru_cache(maxsize=4096)
 def run_phase(segments: tuple[tuple[tuple[Unit, ...], int], ...],
-              prefetch: bool = True) -> tuple[float, float, float]:
+              prefetch: bool = True, max_live: float = MAX_LIVE) -> tuple[float, float, float]:
     """(phase seconds, communication seconds issued, compute seconds) of one phase: segments of
     units repeated (a block's units x number of blocks). The phase ends when both streams are idle.
     prefetch False: every gather is launched when its module starts (no trace-based prefetch)."""
-    s = _State(history=deque(maxlen=64))
+    s = _State(history=deque(maxlen=64), max_live=max_live)
     compute = 0.0
     for units, repeat in segments:
         if repeat > 0:

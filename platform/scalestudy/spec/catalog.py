@@ -40,7 +40,20 @@ class ModelDims(BaseModel):
     max_seq_len: PositiveInt = 4096
 
     @model_validator(mode="after")
-    def _gpt_is_multi_head(self) -> "ModelDims":
+    def _buildable(self) -> "ModelDims":
+        """Dims the model factory (train/model_factory.py) can build: checked when the spec loads,
+        not when a worker builds the model minutes later."""
+        h, a = self.hidden_size, self.num_heads
+        if h % a:
+            raise ValueError(f"hidden_size {h} is not divisible by num_heads {a}: each head gets "
+                             "hidden_size / num_heads channels; choose dims that divide")
+        if self.architecture == "llama" and (h // a) % 2:
+            # rotary embeddings rotate channel pairs: an odd head_dim leaves one channel unpaired
+            raise ValueError(f"head_dim = hidden_size / num_heads = {h // a} is odd: Llama's rotary "
+                             "embeddings need an even head_dim; choose dims that give one")
+        if self.num_kv_heads is not None and a % self.num_kv_heads:
+            raise ValueError(f"num_heads {a} is not divisible by num_kv_heads {self.num_kv_heads}: "
+                             "grouped-query attention shares each KV head among whole groups")
         # The gpt blocks are built as Hugging Face's OPT (train/model_factory.py), which has no GQA.
         if self.architecture == "gpt" and self.num_kv_heads not in (None, self.num_heads):
             raise ValueError(f"num_kv_heads {self.num_kv_heads}: gpt blocks use multi-head attention; "
@@ -96,8 +109,10 @@ class ModelDims(BaseModel):
         )
 
 
-# Profile fields that say where a trial runs, not what it measures: left out of trial ids.
-PLACEMENT_FIELDS = frozenset({"accelerator_type", "cpus_per_device", "device_resource"})
+# Profile fields that say where a trial runs or what it costs, not what it measures: left out of
+# trial ids.
+PLACEMENT_FIELDS = frozenset({"accelerator_type", "cpus_per_device", "device_resource",
+                              "usd_per_device_hour"})
 
 
 class HardwareProfile(BaseModel):
@@ -115,7 +130,7 @@ class HardwareProfile(BaseModel):
     tdp_w: PositiveFloat
     idle_w: float = Field(ge=0)
     node_overhead_w: float = Field(ge=0)
-    # Where a measured trial runs (train/placement.py), not what it measures, so not hashed into
+    # Where a measured trial runs (launch/placement.py), not what it measures, so not hashed into
     # trial ids: Ray's accelerator type of the device (ray.util.accelerators, as Ray detects it on a
     # node: "A100", "H100"), the CPUs each worker reserves beside its device (a DGX node's cores
     # shared by its GPUs; a cpu profile's device is itself a core) and the Ray resource one device
@@ -123,11 +138,38 @@ class HardwareProfile(BaseModel):
     accelerator_type: str | None = None
     cpus_per_device: PositiveFloat = 1.0
     device_resource: str | None = None
+    # What one device costs an hour (`scalestudy plan --objective usd_per_token`); None: not known,
+    # give --usd-per-device-hour. Catalogue figures are list prices: override with yours.
+    usd_per_device_hour: PositiveFloat | None = None
     # Filled by `scalestudy calibrate`/`fit`; the performance model reads them when present.
     calibration: dict[str, float | list[list[float]]] = Field(default_factory=dict)
 
     def peak_flops(self, precision: Precision) -> float:
         return self.peak_tflops[precision] * 1e12
+
+    # The one place that tells a GPU profile from a CPU one: everything that differs by device
+    # kind (process-group backend, Ray resources, meters, memory overheads) asks these.
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind == "gpu"
+
+    @property
+    def process_group_backend(self) -> str:
+        """torch.distributed backend of a trial's workers: NCCL between GPUs, gloo between cores."""
+        return "nccl" if self.is_gpu else "gloo"
+
+    @property
+    def ray_device_resource(self) -> str:
+        """The Ray resource one device is: "GPU", "CPU" (a cpu profile's device is a core), or a
+        custom name on fake test clusters."""
+        return self.device_resource or ("GPU" if self.is_gpu else "CPU")
+
+    def ray_resources_per_worker(self) -> dict[str, float]:
+        """One device and the profile's CPUs beside it (a cpu profile's device is its core)."""
+        device = self.ray_device_resource
+        if device == "CPU":
+            return {"CPU": self.cpus_per_device}
+        return {device: 1.0, "CPU": self.cpus_per_device}
 
     @functools.cached_property
     def identity_json(self) -> str:
@@ -168,10 +210,36 @@ def get_hardware(name: str) -> HardwareProfile:
 
 
 def load_hardware_file(path: Path) -> HardwareProfile:
-    with open(path) as f:
-        data = yaml.safe_load(f)
+    """A profile YAML -> HardwareProfile. A file that is not UTF-8 YAML of a mapping raises
+    ValueError with one line (callers turn it into a SpecError); bad fields raise ValidationError."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"profile {path}: not UTF-8 text (byte {err.start}); give a profile "
+                         "YAML written by `scalestudy calibrate`") from None
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"profile {path}: malformed YAML ({problem})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"profile {path}: a hardware profile must be a mapping of keys")
     data.setdefault("name", path.stem)
     return HardwareProfile(**data)
+
+
+def profile_from_file(path: Path, field: str) -> HardwareProfile:
+    """A profile file named on the command line (`field`: the option) or SpecError's one line."""
+    from pydantic import ValidationError
+
+    from scalestudy.errors import SpecError
+
+    try:
+        return load_hardware_file(Path(path))
+    except ValidationError as err:
+        e = err.errors()[0]
+        raise SpecError(field, str(path), f"{'.'.join(map(str, e['loc']))}: {e['msg']}; give a "
+                        "profile written by `scalestudy calibrate`") from None
+    except (ValueError, OSError) as err:
+        raise SpecError(field, str(path), str(err)) from None
 
 
 def write_profile(profile: HardwareProfile, path: Path) -> None:

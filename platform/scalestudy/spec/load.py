@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from scalestudy.spec import catalog
 from scalestudy.spec.errors import SpecError
-from scalestudy.spec.study import PlannedTrial, StudySpec, expand
+from scalestudy.spec.study import StudySpec
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -72,9 +72,14 @@ def _format_error(err: dict, data: dict) -> SpecError:
 
 def load_spec_data(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise SpecError("spec", str(path), "file not found; give the path of a study YAML")
+        what = "a folder" if path.is_dir() else "file not found"
+        raise SpecError("spec", str(path), f"{what}; give the path of a study YAML")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise SpecError("spec", str(path), f"not UTF-8 text (byte {err.start}: "
+                        f"{err.object[err.start:err.start + 1]!r}); save the study YAML as UTF-8",
+                        source=str(path)) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
@@ -100,14 +105,3 @@ def validate_spec(data: dict[str, Any], spec_dir: Path | None = None, source: st
     except ValidationError as err:
         e = _format_error(err.errors()[0], data)
         raise SpecError(e.field, e.value, e.fix, source=source) from None
-
-
-def plan(spec: StudySpec) -> list[PlannedTrial]:
-    """Expand the grid; a spec none of whose trials can run is an error of the spec."""
-    planned = expand(spec)
-    if not any(p.feasible for p in planned):
-        reasons = sorted({p.reason for p in planned if p.reason})
-        raise SpecError(
-            "spec", spec.name, f"no trial can run: {'; '.join(reasons)}"
-        )
-    return planned

@@ -19,9 +19,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
-from scalestudy.parallel.layout import Layout
+from scalestudy.parallel.layout import Layout, stage_layer_counts
 from scalestudy.spec import catalog
 from scalestudy.spec.catalog import HardwareProfile, ModelDims, Precision
+from scalestudy.errors import ReasonClass
 from scalestudy.spec.errors import SpecError
 from scalestudy.spec.precision import PrecisionChoice
 
@@ -66,13 +67,72 @@ class Elastic(BaseModel):
         return self
 
 
+class PipelineSchedule(str, Enum):
+    """How a pipeline orders its micro-batches' forwards and backwards (torch.distributed.pipelining):
+    GPipe (all forwards, then all backwards: every micro-batch's activations alive at once), 1F1B
+    (one forward, one backward in the steady state: at most pp micro-batches alive on the first
+    stage) and interleaved 1F1B (virtual_stages chunks per rank: the bubble shrinks by that factor,
+    p2p traffic grows by it; Narayanan et al. 2021)."""
+
+    gpipe = "gpipe"
+    one_f_one_b = "1f1b"
+    interleaved_1f1b = "interleaved_1f1b"
+
+
+# The pipeline's options, at their defaults the schedule every pp > 1 trial ran before they existed
+# (the performance model priced 1F1B). A field at its default is left out of dumps (exclude_if), so
+# the trial ids of every config that does not set them are the ids they always had; as columns they
+# show their defaults (config_fields).
+PIPELINE_DEFAULTS: dict[str, Any] = {"schedule": PipelineSchedule.one_f_one_b, "virtual_stages": 1,
+                                     "first_stage_fewer_layers": 0, "last_stage_fewer_layers": 0}
+
+
+def _dropped_at_default(name: str) -> Any:
+    default = PIPELINE_DEFAULTS[name]
+    return Field(default, exclude_if=lambda v: v == default)
+
+
+class GatherGranularity(str, Enum):
+    """What one ZeRO-3 / FSDP parameter all-gather fetches: `module`, DeepSpeed ZeRO-3 as this
+    platform configures it (each module's parameters when it runs, coalesced up to the prefetch
+    bucket); `block`, FSDP's wrapping of every transformer block as one flat parameter (one gather
+    per block, the next block's prefetched while this one computes)."""
+
+    module = "module"
+    block = "block"
+
+
+class RecomputeGranularity(str, Enum):
+    """What activation checkpointing recomputes (Megatron's --recompute-granularity): `full`, every
+    block's forward; `selective`, the attention core only (Korthikanti et al. 2022, Sec. 4.2)."""
+
+    full = "full"
+    selective = "selective"
+
+
+# The layouts published runs use (issue 35): sequence and context parallelism, recompute and gather
+# granularity, overlapped TP communication, FP8 GEMMs (perfmodel/layouts.py prices them). A field at
+# its default is left out of dumps (exclude_if), so every config that does not set one keeps its
+# trial id; as a column it shows its default (config_fields).
+LAYOUT_DEFAULTS: dict[str, Any] = {
+    "recompute_granularity": RecomputeGranularity.full, "sequence_parallel": False, "cp": 1,
+    "gather_granularity": GatherGranularity.module, "tp_comm_overlap": False, "fp8": False}
+# The spec axes among them (recompute_granularity is the activation_checkpointing axis' `selective`).
+LAYOUT_AXES = ("sequence_parallel", "cp", "gather_granularity", "tp_comm_overlap", "fp8")
+
+
+def _layout_option(name: str) -> Any:
+    default = LAYOUT_DEFAULTS[name]
+    return Field(default, exclude_if=lambda v: v == default)
+
+
 # The axes a study sweeps, in expansion order. A row's values of them (global_batch and precision
 # as resolved) are the design point it measured: the trial-identity key.
 AXES = (
     "model", "hardware", "seq_len", "precision", "world_size", "zero_stage", "tp", "pp",
-    "micro_batch", "global_batch", "activation_checkpointing",
+    "micro_batch", "global_batch", "activation_checkpointing", *LAYOUT_AXES,
 )
-TRIAL_KEY: tuple[str, ...] = AXES
+TRIAL_KEY: tuple[str, ...] = (*AXES, "recompute_granularity")
 
 # TrialConfig fields that are not flat config columns: nested objects (their scalars are flattened
 # into steps_* or come back from the catalogues by name) and how the trial is named in its study.
@@ -99,6 +159,12 @@ class TrialConfig(BaseModel):
     dp: int
     tp: int
     pp: int
+    # The pipeline (pp > 1): its schedule, chunks per rank (interleaved only) and how many blocks
+    # fewer the first and last stages take (parallel/layout.py stage_layer_counts).
+    schedule: PipelineSchedule = _dropped_at_default("schedule")
+    virtual_stages: int = _dropped_at_default("virtual_stages")
+    first_stage_fewer_layers: int = _dropped_at_default("first_stage_fewer_layers")
+    last_stage_fewer_layers: int = _dropped_at_default("last_stage_fewer_layers")
     zero_stage: int
     micro_batch: int
     grad_accum: int
@@ -108,10 +174,19 @@ class TrialConfig(BaseModel):
     # As the spec wrote it (auto, or a precision); None in ledgers written before auto existed.
     precision_requested: PrecisionChoice | None = None
     activation_checkpointing: bool
+    # Issue 35's layout options (LAYOUT_DEFAULTS; perfmodel/layouts.py). dp counts the context-
+    # parallel ranks: they hold the same weights and reduce gradients together (Megatron's dp x cp
+    # group); a micro-batch's sequence is split over its cp ranks.
+    recompute_granularity: RecomputeGranularity = _layout_option("recompute_granularity")
+    sequence_parallel: bool = _layout_option("sequence_parallel")
+    cp: int = _layout_option("cp")
+    gather_granularity: GatherGranularity = _layout_option("gather_granularity")
+    tp_comm_overlap: bool = _layout_option("tp_comm_overlap")
+    fp8: bool = _layout_option("fp8")
     steps: Steps
     seed: int
     learning_rate: float
-    trial_timeout_s: float  # from the start of the trial's worker group (train/deadline.py)
+    trial_timeout_s: float  # from the start of the trial's worker group (launch/deadline.py)
     # How long the trial may wait for its nodes before it starts; how long it waits is not what it
     # measures, so neither a column nor part of its id.
     placement_timeout_s: float = 1800.0
@@ -131,6 +206,13 @@ class TrialConfig(BaseModel):
         """The trial's layout (for an infeasible point, the rounded-down one it was recorded with)."""
         return Layout(self.world_size, self.dp, self.tp, self.pp, self.micro_batch, self.grad_accum,
                       self.global_batch, self.hardware_profile.gpus_per_node)
+
+    @property
+    def stage_layers(self) -> list[int]:
+        """Transformer blocks of each pipeline stage (pp * virtual_stages of them, in stage order);
+        InfeasibleTrial when they do not split (the spec check refuses such a trial first)."""
+        return stage_layer_counts(self.model_dims.num_layers, self.pp, self.virtual_stages,
+                                  self.first_stage_fewer_layers, self.last_stage_fewer_layers)
 
     @functools.cached_property
     def trial_id(self) -> str:
@@ -168,6 +250,8 @@ class TrialConfig(BaseModel):
             self.__dict__["trial_id"] = self._hashed_id(d)
         d["trial_id"] = self.trial_id
         d.update({f"steps_{k}": v for k, v in d["steps"].items()})
+        d.update({k: getattr(v, "value", v) for k, v in PIPELINE_DEFAULTS.items() if k not in d})
+        d.update({k: getattr(v, "value", v) for k, v in LAYOUT_DEFAULTS.items() if k not in d})
         return {k: d[k] for k in config_columns()}
 
 
@@ -219,7 +303,15 @@ def _getter(row: Mapping[str, Any] | Any):
 def trial_key(row: Mapping[str, Any] | Any) -> tuple:
     """The design point of a config, result or ledger row (TRIAL_KEY's values)."""
     get = _getter(row)
-    return tuple(getattr(v, "value", v) for v in (get(k) for k in TRIAL_KEY))
+    return tuple(getattr(v, "value", v) for v in (_or_default(k, get(k)) for k in TRIAL_KEY))
+
+
+def _or_default(key: str, value: Any) -> Any:
+    """A layout option missing from a row written before it existed (None, or NaN in a frame) is
+    at its default: the design point that row measured."""
+    if key in LAYOUT_DEFAULTS and (value is None or value != value):
+        return LAYOUT_DEFAULTS[key]
+    return value
 
 
 def config_from_row(row: Mapping[str, Any] | Any, hardware: HardwareProfile | None = None
@@ -247,7 +339,9 @@ def config_from_row(row: Mapping[str, Any] | Any, hardware: HardwareProfile | No
 _NAME_PARTS = {
     "model": (True, "{}"), "hardware": (True, "{}"), "seq_len": (False, "s{}"),
     "precision": (False, "{}"), "global_batch": (False, "gb{}"),
-    "activation_checkpointing": (False, "ac{:d}"),
+    "activation_checkpointing": (False, "ac{}"),
+    "sequence_parallel": (False, "sp{:d}"), "cp": (False, "cp{}"), "gather_granularity": (False, "{}gather"),
+    "tp_comm_overlap": (False, "tpoverlap{:d}"), "fp8": (False, "fp8gemm{:d}"),
 }
 LAYOUT_NAME_AXES = ("world_size", "tp", "pp", "zero_stage", "micro_batch")
 
@@ -265,23 +359,45 @@ def trial_name(t: Mapping[str, Any] | Any, name_axes: Iterable[str] = ()) -> str
         return int(v) if isinstance(v, float) and v.is_integer() else v
 
     name = f"ws{get('world_size')}-tp{get('tp')}" + (f"-pp{get('pp')}" if get("pp") > 1 else "")
+    name += _schedule_part(get) if get("pp") > 1 else ""
     name += f"-z{get('zero_stage')}-mb{get('micro_batch')}"
     name += f"-ga{get('grad_accum')}" if (get("grad_accum") or 1) > 1 else ""
     chosen = set(name_axes)
     before, after = [], []
     for axis, (prefix, fmt) in _NAME_PARTS.items():
         if axis in chosen:
-            value = get(axis)
+            value = _name_value(get, axis)
             (before if prefix else after).append(fmt.format(getattr(value, "value", value)))
     return "-".join([*before, name, *after])
+
+
+def _name_value(get, axis: str) -> Any:
+    """An axis' value as a name shows it: checkpointing as 0, 1 or `sel` (selective recompute),
+    a layout option missing from an older row at its default."""
+    value = _or_default(axis, get(axis))
+    if axis == "activation_checkpointing":
+        selective = _or_default("recompute_granularity", get("recompute_granularity"))
+        return "sel" if value and getattr(selective, "value", selective) == "selective" else int(value)
+    return value
+
+
+def _schedule_part(get) -> str:
+    """A pipeline's schedule in a name when it is not the default: `-gpipe`, `-interleaved_1f1bv2`."""
+    schedule = getattr(get("schedule"), "value", get("schedule"))
+    part = "" if schedule in (None, PIPELINE_DEFAULTS["schedule"].value) else f"-{schedule}"
+    virtual = get("virtual_stages")
+    return part + (f"v{virtual}" if virtual and virtual > 1 else "")
 
 
 def name_axes_of(rows: Iterable[Mapping[str, Any] | Any]) -> tuple[str, ...]:
     """The axes beyond the layout that take more than one value among a study's rows: what its
     trials' names must show. (StudySpec.name_axes says the same from the spec.)"""
     rows = list(rows)
-    return tuple(a for a in _NAME_PARTS
-                 if len({trial_key(r)[TRIAL_KEY.index(a)] for r in rows}) > 1)
+    def shown(r: Any, axis: str) -> Any:
+        value = _name_value(_getter(r), axis)
+        return getattr(value, "value", value)
+
+    return tuple(a for a in _NAME_PARTS if len({shown(r, a) for r in rows}) > 1)
 
 
 class PlannedTrial(BaseModel):
@@ -294,6 +410,7 @@ class PlannedTrial(BaseModel):
     axes: dict[str, Any]
     config: TrialConfig
     reason: str | None = None
+    reason_class: ReasonClass | None = None
 
     @property
     def feasible(self) -> bool:

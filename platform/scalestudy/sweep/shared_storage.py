@@ -3,7 +3,7 @@ nodes of the cluster cannot see.
 
 A checkpointing trial (fault tolerance, elastic) persists its checkpoint from each worker's node and
 restarts from it on any node, so its storage must be one that every node reads and writes. A trial
-that does not checkpoint needs none (its summary returns through Ray, train/channel.py). The check is
+that does not checkpoint needs none (its summary returns through Ray, launch/channel.py). The check is
 direct: the driver writes a marker file under the root, and a task pinned to every alive node looks
 for it; a node that does not find it sees another disk (its own, or a mount the driver lacks).
 Nodes the autoscaler adds later are not probed: a cluster's node types share their setup commands,

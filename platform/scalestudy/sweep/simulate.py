@@ -18,7 +18,7 @@ import math
 import random
 from collections.abc import Callable
 
-from scalestudy.metrics import TrialResult
+from scalestudy.metrics import TrialResult, search_metric
 from scalestudy.spec.study import AXES, PlannedTrial, SearchAlgorithm, StudySpec
 from scalestudy.sweep.progress import SweepProgress
 
@@ -77,7 +77,8 @@ def _optuna(spec: StudySpec, by_key: dict[tuple, PlannedTrial], values: dict[str
         # Optuna's categorical choices must be None, bool, int, float or str: every axis value is.
         point = by_key[_key({a: trial.suggest_categorical(a, v) for a, v in values.items()})]
         result = run(point)
-        value = getattr(result, spec.search.metric, math.nan) if result is not None else math.nan
+        metric = search_metric(spec.search.metric)
+        value = getattr(result, metric, math.nan) if result is not None else math.nan
         if isinstance(value, (int, float)) and math.isfinite(value):
             study.tell(trial, float(value))
         else:

@@ -22,22 +22,22 @@ def trial_trainable(
 ) -> None:
     from ray import tune
 
-    from scalestudy.metrics import Status, TrialResult
-    from scalestudy.spec.study import AXES, build_trial, resolve_point
-    from scalestudy.sweep.feasibility import with_memory_check
+    from scalestudy.metrics import Status, TrialResult, search_metric
+    from scalestudy.plan import plan_point
+    from scalestudy.spec.study import AXES, resolve_point
     from scalestudy.track.storage import ray_storage
-    from scalestudy.train.launch import run_trial, unplaceable
-    from scalestudy.train.warm import warm_run
+    from scalestudy.launch.ray_train import run_trial, unplaceable
+    from scalestudy.launch.warm import warm_run
 
     t0 = time.time()
     axes = config.get("point") or {a: config[a] for a in AXES}
-    planned = with_memory_check(build_trial(spec, resolve_point(spec, axes)))
+    planned = plan_point(spec, resolve_point(spec, axes))
     cfg = planned.config
     if cfg.trial_id in skip_ids:  # resume of a random/optuna sweep: already in the ledger
         tune.report({"skipped": 1})
         return
     if not planned.feasible:
-        result = TrialResult.from_config(cfg, Status.infeasible, reason=planned.reason)
+        result = TrialResult.refused(planned)
     elif (turned_away := unplaceable(cfg, available, t0)) is not None:
         result = turned_away  # a Ray instance of fixed resources that can never hold it
     else:
@@ -52,7 +52,7 @@ def trial_trainable(
         # Train controller and workers it owns die with it.
         worker = threading.Thread(target=_run, daemon=True, name="trial")
         worker.start()
-        # A cold trial's run_trial enforces both limits itself (train/deadline.py: the wait for
+        # A cold trial's run_trial enforces both limits itself (launch/deadline.py: the wait for
         # nodes, then the run from the worker group's start), so its join is only a backstop; a
         # warm trial's wait for a new group is bounded by the pool (placement_timeout_s), so here
         # it gets the same sum: its run is trial_timeout_s at most once its group is up.
@@ -72,5 +72,5 @@ def trial_trainable(
             )
         else:
             result = box["r"]
-    metric = getattr(result, spec.search.metric, float("nan"))
-    tune.report({RESULT_KEY: result.model_dump_json(), spec.search.metric: metric})
+    name = search_metric(spec.search.metric)
+    tune.report({RESULT_KEY: result.model_dump_json(), name: getattr(result, name, float("nan"))})

@@ -8,7 +8,7 @@ from pathlib import Path
 from ray import tune
 from ray.tune import Callback
 
-from scalestudy.metrics import Status, TrialResult
+from scalestudy.metrics import Status, TrialResult, search_metric
 from scalestudy.spec.study import AXES, PlannedTrial, SearchAlgorithm, StudySpec, build_trial, resolve_point
 from scalestudy.sweep.progress import SweepProgress
 from scalestudy.sweep.trainable import RESULT_KEY, trial_trainable
@@ -24,7 +24,7 @@ def default_concurrency(spec: StudySpec, runnable: list[PlannedTrial]) -> int:
     """As many trials at once as the cluster's devices hold trials of the largest world size."""
     import ray
 
-    gpu = any(h.kind == "gpu" for h in spec.hardware)
+    gpu = any(h.is_gpu for h in spec.hardware)
     devices = ray.cluster_resources().get("GPU" if gpu else "CPU", 1)
     largest = max((p.config.world_size for p in runnable), default=1)
     return max(1, int(devices // largest))
@@ -42,7 +42,8 @@ def _searcher(spec: StudySpec):
     if spec.search.algorithm is SearchAlgorithm.optuna:
         from ray.tune.search.optuna import OptunaSearch
 
-        return OptunaSearch(metric=spec.search.metric, mode=spec.search.mode, seed=spec.seed)
+        return OptunaSearch(metric=search_metric(spec.search.metric), mode=spec.search.mode,
+                            seed=spec.seed)
     if spec.search.algorithm is SearchAlgorithm.random:
         return BasicVariantGenerator(random_state=spec.seed)
     return None
@@ -50,11 +51,11 @@ def _searcher(spec: StudySpec):
 
 def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, results_root: str | Path,
              max_concurrent, fault, verbose) -> None:
-    from scalestudy.train.launch import ensure_ray, fixed_local_resources
-    from scalestudy.train.warm import pool_name, reusable, warm_pool
+    from scalestudy.launch.ray_train import ensure_ray, fixed_local_resources
+    from scalestudy.launch.warm import pool_name, reusable, warm_pool
 
     ensure_ray(verbose=verbose)
-    available = fixed_local_resources()  # None on a cluster joined (train/placement.py)
+    available = fixed_local_resources()  # None on a cluster joined (launch/placement.py)
     # A URI stays a URI (str); a local root becomes absolute here, where the driver's cwd is known.
     study_dir = storage.absolute(storage.join(results_root, spec.name))
     trainable = tune.with_resources(
@@ -78,7 +79,7 @@ def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, result
             num_samples=1 if grid else (spec.search.num_samples or len(runnable) or 1),
             max_concurrent_trials=max_concurrent or default_concurrency(spec, runnable),
             search_alg=_searcher(spec),
-            metric=None if grid else spec.search.metric,
+            metric=None if grid else search_metric(spec.search.metric),
             mode=None if grid else spec.search.mode,
             reuse_actors=reuse_trainables,
         ),

@@ -1,8 +1,13 @@
-"""MLflow tracking: one experiment per study, a parent run per sweep, a child run per trial.
+"""MLflow tracking: one experiment per study, a parent run per sweep, a child run per measured
+trial; a sweep of predictions logs them as one table on its parent run (thousands of runs would
+make MLflow's UI and search unusable, and cost a round trip each).
 
 Only the sweep driver writes here (never the Ray workers), so one sqlite file is safe. The ledger is
-written first; a tracking server that is down or fails mid-sweep only disables this writer (with
-one warning), and `scalestudy sync-mlflow` uploads the rows later.
+written first. An HTTP request is retried with exponential back-off (MLflow's own retries, bounded
+here to seconds rather than MLflow's minutes); a call that still fails is a warning and the next
+call tries again; after MAX_FAILURES_IN_A_ROW failed calls in a row the server is taken as down and
+the writer stops for the rest of the command. What never reached MLflow, `scalestudy sync-mlflow`
+uploads later (the ledger is the truth).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import functools
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import subprocess
 import tempfile
@@ -25,6 +31,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 ROLE_TAG = "scalestudy.role"
+# On a sweep's parent run: the number of predictions logged in its table (PREDICTIONS_ARTIFACT).
+PREDICTIONS_TAG = "scalestudy.predictions"
+PREDICTIONS_ARTIFACT = "predictions.parquet"
+# Parent-run summary of a prediction table: the best value of a metric, the count of a status.
+BEST_PREFIX = "best/"
+COUNT_PREFIX = "trials/"
+SUMMARY_METRICS = (M.TOKENS_PER_S_PER_DEVICE, M.TOKENS_PER_S, M.MFU, M.TOKENS_PER_J_ESTIMATED)
 RESULT_ID_TAG = "scalestudy.result_id"
 SWEEP_ID_TAG = "scalestudy.sweep_id"
 # MLflow 3 sorts experiments into GenAI apps and model training. Its UI's own kind selector stores
@@ -33,6 +46,12 @@ SWEEP_ID_TAG = "scalestudy.sweep_id"
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 VERSION_PACKAGES = ("torch", "ray", "deepspeed", "transformers", "mlflow")
+# MLflow's HTTP retries (urllib3, on connection errors and 429/5xx): 3 with back-off 1, 2, 4 s
+# (+ up to 1 s jitter each), a 10 s timeout per try: a blip is ridden out; a server that is down
+# costs about half a minute, not MLflow's default 7 retries from 2 s (over 4 minutes per call).
+HTTP_RETRY_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                  "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+MAX_FAILURES_IN_A_ROW = 3
 
 
 def tracking_uri(spec_uri: str | None) -> str:
@@ -63,32 +82,41 @@ class MlflowWriter:
     """Thin wrapper over MlflowClient that turns tracking failures into one warning."""
 
     def __init__(self, uri: str, experiment: str):
-        # Fail fast on an unreachable server instead of MLflow's minutes of HTTP retries.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+        for name, value in HTTP_RETRY_ENV.items():  # a user's own setting wins
+            os.environ.setdefault(name, value)
         from mlflow.tracking import MlflowClient
 
         self.uri = uri
         self.experiment = experiment
         self.client = MlflowClient(tracking_uri=uri)
-        self.error: str | None = None
+        self.error: str | None = None  # the latest failure, kept after later calls succeed
+        self.failures_in_a_row = 0
         self.experiment_id: str | None = None
-        self._guard(self._ensure_experiment)
+        self._guard(lambda: None)  # the experiment, now: a store that is down shows at once
 
     @property
     def enabled(self) -> bool:
-        return self.error is None
+        return self.failures_in_a_row < MAX_FAILURES_IN_A_ROW
 
     def _guard(self, fn, *args, **kwargs):
+        """fn's value, or None when MLflow failed (a warning; the caller keeps its row unlogged)."""
         if not self.enabled:
             return None
         try:
-            return fn(*args, **kwargs)
+            if self.experiment_id is None:  # not made yet, or the first try failed
+                self._ensure_experiment()
+            value = fn(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - tracking must never stop a sweep
             first = (str(err).splitlines() or [type(err).__name__])[0]
             self.error = f"MLflow at {self.uri} unavailable ({first[:200]})"
-            log.warning("%s; results stay in the ledger, upload later with sync-mlflow", self.error)
+            self.failures_in_a_row += 1
+            then = ("off for the rest of this command" if not self.enabled
+                    else "the next call tries again")
+            log.warning("%s; %s; results stay in the ledger, upload later with sync-mlflow",
+                        self.error, then)
             return None
+        self.failures_in_a_row = 0
+        return value
 
     def _ensure_experiment(self) -> None:
         exp = self.client.get_experiment_by_name(self.experiment)
@@ -117,13 +145,19 @@ class MlflowWriter:
         return run.info.run_id
 
     def end_sweep(self, failed: bool = False) -> None:
-        def _end():
-            import mlflow
+        import mlflow
 
-            if mlflow.active_run():
-                mlflow.end_run("FAILED" if failed else "FINISHED")
-
-        self._guard(_end)
+        if not mlflow.active_run():
+            return
+        if self.enabled:
+            self._guard(mlflow.end_run, "FAILED" if failed else "FINISHED")
+            return
+        # Off after failures: end the run anyway (its system-metrics thread, and a later
+        # start_run in this process, which an active run would refuse), whatever the store says.
+        try:
+            mlflow.end_run("FAILED")
+        except Exception as err:  # noqa: BLE001
+            log.warning("MLflow: could not end the sweep's run: %s", err)
 
     def parent_for(self, sweep_id: str) -> str | None:
         """An existing parent run of that sweep in this store, if any (for sync-mlflow)."""
@@ -147,6 +181,49 @@ class MlflowWriter:
             return run.info.run_id
 
         return self._guard(_create)
+
+    # --- a sweep's predictions: one table on its parent run -----------------------------------
+    def has_predictions(self, run_id: str) -> bool | None:
+        return self._guard(lambda: PREDICTIONS_TAG in self.client.get_run(run_id).data.tags)
+
+    def log_predictions(self, run_id: str, rows: list[dict]) -> bool:
+        """Ledger rows (predictions) as PREDICTIONS_ARTIFACT (+ a CSV the UI shows as a table),
+        the best value of SUMMARY_METRICS and the count of each status on the run. False if
+        MLflow failed."""
+        return bool(self._guard(self._log_predictions, run_id, rows))
+
+    def _log_predictions(self, run_id: str, rows: list[dict]) -> bool:
+        import pyarrow as pa
+        import pyarrow.csv as pacsv
+        import pyarrow.parquet as pq
+        from mlflow.entities import Metric, RunTag
+
+        from scalestudy.track.ledger import rows_table
+
+        table = rows_table(rows)
+        # CSV holds scalars only: list columns (per-step series) left out, all-null ones as text.
+        flat = table.select([f.name for f in table.schema if not pa.types.is_nested(f.type)])
+        flat = flat.cast(pa.schema([pa.field(f.name, pa.string()) if pa.types.is_null(f.type)
+                                    else f for f in flat.schema]))
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / PREDICTIONS_ARTIFACT
+            pq.write_table(table, path)
+            pacsv.write_csv(flat, path.with_suffix(".csv"))
+            self.client.log_artifact(run_id, str(path))
+            self.client.log_artifact(run_id, str(path.with_suffix(".csv")))
+        now = int(time.time() * 1000)
+        metrics = []
+        for name in SUMMARY_METRICS:
+            values = [r.get(name) for r in rows]
+            finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+            if finite:
+                metrics.append(Metric(f"{BEST_PREFIX}{name}", max(finite), now, 0))
+        for status in {r.get("status") for r in rows}:
+            count = sum(r.get("status") == status for r in rows)
+            metrics.append(Metric(f"{COUNT_PREFIX}{status}", count, now, 0))
+        self.client.log_batch(run_id, metrics=metrics,
+                              tags=[RunTag(PREDICTIONS_TAG, str(len(rows)))])
+        return True
 
     # --- child runs -------------------------------------------------------------------------
     def logged_result_ids(self) -> set[str] | None:

@@ -3,15 +3,17 @@ fsspec protocol), read and written through one layer.
 
 The results root reaches Ray Train and Tune untouched: a URI is never turned into a local path
 (`Path("s3://b/x").resolve()` is `<cwd>/s3:/b/x`), so every node resolves it itself with its own
-credentials. The ledger goes through the same layer: a local file is replaced atomically (temp file
-in the same folder + rename, so a reader never sees half a file); on an object store the whole file
-is one object put, which stores publish atomically.
+credentials. The ledger goes through the same layer (Folder: one folder's files, its filesystem
+resolved once): a local file is written atomically (temp file in the same folder, fsync, rename, so
+a reader never sees half a file and a crash never leaves one); on an object store a file is one
+object put, which stores publish atomically.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -58,6 +60,16 @@ def join(root: str | Path, *parts: str) -> Location:
     split = urlsplit(loc)
     path = "/".join([split.path.rstrip("/"), *(p.strip("/") for p in parts)])
     return urlunsplit((split.scheme, split.netloc, path, split.query, split.fragment))
+
+
+def split(location: str | Path) -> tuple[Location, str]:
+    """(parent, name) of a location; a URI keeps its scheme, host and query."""
+    loc = as_location(location)
+    if isinstance(loc, Path):
+        return loc.parent, loc.name
+    parts = urlsplit(loc)
+    head, _, name = parts.path.rstrip("/").rpartition("/")
+    return urlunsplit((parts.scheme, parts.netloc, head, parts.query, parts.fragment)), name
 
 
 def absolute(location: str | Path) -> Location:
@@ -130,10 +142,84 @@ def _write_local(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before it has its name: a crash leaves old or new, whole
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+# Parallel reads of many small files on an object store (one request each; latency-bound).
+REMOTE_READERS = 16
+
+
+class Folder:
+    """The files directly in one folder, local or under a URI: list, read, write whole.
+
+    A URI's filesystem is resolved once per Folder, not once per file (an S3 filesystem resolves
+    its bucket's region when made). Names starting with "." (temp files of a write) are not listed.
+    """
+
+    def __init__(self, location: str | Path):
+        self.location = as_location(location)
+        self._remote = None  # (pyarrow filesystem, path), made on first use
+        self._made = False  # the folder made (a filesystem with real folders) by a first write
+
+    def _fs(self):
+        if self._remote is None:
+            fs, path = filesystem(self.location)
+            self._remote = fs, path.rstrip("/")
+        return self._remote
+
+    def names(self) -> list[str]:
+        """File names in the folder, sorted; [] when there is no such folder."""
+        if isinstance(self.location, Path):
+            try:
+                with os.scandir(self.location) as entries:
+                    names = [e.name for e in entries if e.is_file()]
+            except FileNotFoundError:
+                return []
+        else:
+            import pyarrow.fs as pafs
+
+            fs, path = self._fs()
+            infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+            names = [i.base_name for i in infos if i.type == pafs.FileType.File]
+        return sorted(n for n in names if not n.startswith("."))
+
+    def exists(self, name: str) -> bool:
+        if isinstance(self.location, Path):
+            return (self.location / name).is_file()
+        import pyarrow.fs as pafs
+
+        fs, path = self._fs()
+        return fs.get_file_info(f"{path}/{name}").type == pafs.FileType.File
+
+    def read(self, name: str) -> bytes:
+        if isinstance(self.location, Path):
+            return (self.location / name).read_bytes()
+        fs, path = self._fs()
+        with fs.open_input_stream(f"{path}/{name}") as f:
+            return f.read()
+
+    def read_many(self, names: list[str]) -> list[bytes]:
+        if isinstance(self.location, Path) or len(names) < 2:
+            return [self.read(n) for n in names]
+        with ThreadPoolExecutor(min(REMOTE_READERS, len(names))) as pool:
+            return list(pool.map(self.read, names))
+
+    def write(self, name: str, data: bytes) -> None:
+        """A new or replaced file, whole: readers see the old contents or the new, never a part."""
+        if isinstance(self.location, Path):
+            _write_local(self.location / name, data)
+            return
+        fs, path = self._fs()
+        if not self._made and fs.type_name not in OBJECT_STORES:  # HDFS, fsspec's need the folder
+            fs.create_dir(path, recursive=True)
+        self._made = True
+        with fs.open_output_stream(f"{path}/{name}") as f:  # one put, published on close
+            f.write(data)
 
 
 def require_local(root: str | Path, field: str, why: str, fix: str) -> Path:

@@ -2,10 +2,12 @@
 
     summary = run_body(cfg, reporter)      # on each rank; rank 0 gets the summary, others None
 
-build (model, DeepSpeed engine, this attempt's layout) -> warm-up steps -> timed window (after an elastic resize: the new size's warm-up, then
-the rest of the window; train/segments.py) -> profiled window -> one reduction across ranks -> rank 0's summary, handed to the reporter. The adapters start
+build (model, DeepSpeed engine, this attempt's layout) -> warm-up steps -> timed window (after an
+elastic resize: the new size's warm-up, then the rest of the window; train/segments.py) -> profiled
+window -> one reduction across ranks -> rank 0's summary, handed to the reporter: a TrialSummary of
+readings (train/summary.py), from which train/result.py derives every metric. The adapters start
 the processes and the process group and say where checkpoints and the summary go: Ray Train
-(train/worker.py) or torchrun (train/local.py); both use train/process.py to set a rank up.
+(launch/worker.py) or torchrun (train/local.py); both use train/process.py to set a rank up.
 
 Nothing in the timed window syncs the host except the one device synchronisation that closes each
 step's timer; losses stay on the device until the end. The profiled window comes after the timed
@@ -26,8 +28,9 @@ import torch.distributed as dist
 from scalestudy.measure.devices import gather_node_devices
 from scalestudy.measure.energy import NAN, EnergyReading
 from scalestudy.measure.memory import memory_reading, reduce_memory_across_ranks, reset_peak
-from scalestudy.measure.meters import TrialMeters
-from scalestudy.measure.profiled_window import reduce_across_ranks, run_profiled_micro_batches
+from scalestudy.measure.meters import MeterResult, TrialMeters
+from scalestudy.measure.profiled_window import (ProfiledWindow, reduce_across_ranks,
+                                               run_profiled_micro_batches)
 from scalestudy.parallel.deepspeed_config import deepspeed_config
 from scalestudy.parallel.layout import Layout
 from scalestudy.spec.trial import TrialConfig
@@ -35,6 +38,7 @@ from scalestudy.train import resume, segments, timing
 from scalestudy.train.construct import build_trial_model, check_materialised
 from scalestudy.train.data import global_batch, stage_window
 from scalestudy.train.process import device_for, sync
+from scalestudy.train.summary import MemoryPeaks, TrialSummary
 
 SHARD_PROBES = ("layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight")
 
@@ -51,7 +55,7 @@ class Reporter(Protocol):
     def latest_checkpoint(self) -> AbstractContextManager[str | None]:
         """The directory of the checkpoint to resume from, None on a fresh start."""
 
-    def report_summary(self, summary: dict[str, Any] | None) -> None:
+    def report_summary(self, summary: TrialSummary | None) -> None:
         """Every rank, once at the end: rank 0 with the summary, the others with None."""
 
 
@@ -134,7 +138,7 @@ def make_meters(trial: Trial, instrument: bool) -> TrialMeters:
     """One energy meter and one utilization sampler per node, on the trial's own devices (CUDA
     UUIDs -> NVML handles, measure/devices.py), owned by the node's lowest rank (collective)."""
     node = gather_node_devices(trial.device)
-    return TrialMeters(trial.cfg.hardware_profile.kind, node, energy=instrument,
+    return TrialMeters(trial.cfg.hardware_profile.is_gpu, node, energy=instrument,
                        reason_off="instrumentation disabled for this run")
 
 
@@ -204,15 +208,15 @@ def warmup_and_timed_window(trial: Trial, reporter: Reporter, meters: TrialMeter
     return w
 
 
-def profiled_window(trial: Trial) -> dict[str, Any]:
-    """Communication and overlap from a profiled window after the timed one (summary fields):
+def profiled_window(trial: Trial) -> ProfiledWindow:
+    """Communication and overlap from a profiled window after the timed one, reduced across ranks:
     whole steps run, their last micro-batches (at most MICRO_BATCH_CAP) are traced, each collective's
     bus bandwidth from its own group's size."""
     cfg = trial.cfg
     pw = run_profiled_micro_batches(trial.micro_batch, trial.layout.grad_accum, device=trial.device,
                                     first_step=cfg.steps.warmup + cfg.steps.measure,
                                     n_steps=cfg.steps.profile)
-    return reduce_across_ranks(pw, trial.device).summary()
+    return reduce_across_ranks(pw, trial.device)
 
 
 def _all_reduce(values: list[float], op, device: torch.device) -> torch.Tensor:
@@ -221,33 +225,26 @@ def _all_reduce(values: list[float], op, device: torch.device) -> torch.Tensor:
     return t
 
 
-def reduce_meters(trial: Trial, w: Window, meters: TrialMeters) -> dict[str, Any]:
+def reduce_meters(trial: Trial, w: Window, meters: TrialMeters) -> MeterResult:
     """The meters' readings of the timed window (collective): energy summed over the nodes'
-    owners, GPU-only under NVML (``energy_scope`` says what it covers); utilisation the mean over
-    the trial's devices."""
+    owners, GPU-only under NVML (its scope says what it covers); utilisation the mean over the
+    trial's devices."""
     result = meters.reduce(trial.device)
     if w.state.restarts and result.energy.source != "none":
         result.energy = EnergyReading(NAN, 0.0, source="none",
                                       reason="trial restarted mid-window: the meter saw only part of it")
-    return result.summary(trial.cfg.tokens_per_step * len(w.state.step_times_s))
+    return result
 
 
-def reduce_steps(trial: Trial, w: Window) -> dict[str, Any]:
+def reduce_steps(trial: Trial, w: Window) -> tuple[list[float], list[float], MemoryPeaks]:
     """One reduction after the windows: the slowest rank sets each step's time, losses average
-    over ranks, peak memory is the largest rank's."""
+    over ranks, each memory figure is the fullest rank's."""
     device, world = trial.device, dist.get_world_size()
     losses = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device) for x in w.losses])
     dist.all_reduce(losses, op=dist.ReduceOp.SUM)
-    mem = reduce_memory_across_ranks(memory_reading(device), device)
-    return {
-        "step_times_s": _all_reduce(w.state.step_times_s, dist.ReduceOp.MAX, device).cpu().tolist(),
-        "losses": (losses / world).cpu().tolist(),
-        "peak_memory_gib": mem.allocated_gib,
-        "peak_memory_reserved_gib": mem.reserved_gib,
-        "device_memory_used_gib": mem.device_used_gib,
-        "memory_source": mem.source,
-        "memory_missing": mem.missing,
-    }
+    step_times = _all_reduce(w.state.step_times_s, dist.ReduceOp.MAX, device).cpu().tolist()
+    memory = MemoryPeaks.of(reduce_memory_across_ranks(memory_reading(device), device))
+    return step_times, (losses / world).cpu().tolist(), memory
 
 
 def _gather_shard_shapes(module) -> list[dict[str, list[int]]]:
@@ -263,27 +260,22 @@ def _gather_shard_shapes(module) -> list[dict[str, list[int]]]:
     return everyone
 
 
-def summary_of(trial: Trial, w: Window, *parts: dict[str, Any]) -> dict[str, Any]:
-    """The trial's summary: what train/result.py turns into a TrialResult."""
+def summary_of(trial: Trial, w: Window, meters: MeterResult, profiled: ProfiledWindow | None,
+               extra: dict[str, Any]) -> TrialSummary:
+    """The trial's summary (collective: every rank builds it, rank 0's is reported)."""
     lay, state = trial.layout, w.state
-    steps = reduce_steps(trial, w)
-    # Every segment once the trial was resized (segments.py); none for a trial that never was.
-    resizes = (segments.summaries(state.segments, steps["step_times_s"], trial.cfg.tokens_per_step)
-               if len(state.segments) > 1 else [])
-    return {
-        **steps,
-        "first_measured_step_wall": state.first_measured_wall,
-        "world_size": lay.world_size,
-        "dp": lay.dp,
-        "grad_accum": lay.grad_accum,
-        "restarts": state.restarts,
-        "resizes": resizes,
-        "time_lost_s": state.time_lost_s,
-        "shard_shapes": _gather_shard_shapes(trial.engine.module),
-        "deepspeed_config": trial.ds_config,
-        **{k: v for part in parts for k, v in part.items()},
-        "timing": timing.marks(),  # rank 0's wall-clock marks of this trial (train/timing.py)
-    }
+    step_times, losses, memory = reduce_steps(trial, w)
+    return TrialSummary(
+        step_times_s=step_times, losses=losses, memory=memory,
+        world_size=lay.world_size, grad_accum=lay.grad_accum, segments=state.segments,
+        restarts=state.restarts, time_lost_s=state.time_lost_s,
+        first_measured_step_wall=state.first_measured_wall,
+        meters=meters, profiled=profiled,
+        shard_shapes=_gather_shard_shapes(trial.engine.module),
+        deepspeed_config=trial.ds_config,
+        timing=timing.marks(),  # rank 0's wall-clock marks of this trial (train/timing.py)
+        **extra,
+    )
 
 
 def fault_step(spec: str | None, run_name: str) -> int | None:
@@ -296,7 +288,7 @@ def fault_step(spec: str | None, run_name: str) -> int | None:
 
 
 def run_body(cfg: TrialConfig, reporter: Reporter, *, fault: str | None = None,
-             instrument: bool = True) -> dict[str, Any] | None:
+             instrument: bool = True) -> TrialSummary | None:
     """Run the trial on this rank (torch.distributed is up, see train/process.py). Every rank
     reports; rank 0 returns the summary, the others None. `fault` makes rank 0 raise at a step
     (the failure-path tests fail a real trial with it)."""
@@ -305,7 +297,7 @@ def run_body(cfg: TrialConfig, reporter: Reporter, *, fault: str | None = None,
     injected = fault_step(fault, cfg.run_name) if trial.rank == 0 else None
     w = warmup_and_timed_window(trial, reporter, meters, injected)
     meter_readings = reduce_meters(trial, w, meters)
-    profiled = profiled_window(trial) if instrument and cfg.steps.profile else {}
+    profiled = profiled_window(trial) if instrument and cfg.steps.profile else None
     timing.mark("windows_done")
     # An adapter may add what only it knows (the Ray adapter: each rank's node).
     summary = summary_of(trial, w, meter_readings, profiled, getattr(reporter, "summary_extra", {}))

@@ -25,13 +25,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from scalestudy import metrics as M
 from scalestudy.errors import SpecError
 from scalestudy.metrics import Status, TrialResult
 from scalestudy.spec.trial import TrialConfig, trial_name
 from scalestudy.train.resume import STATE_FILE
+
+if TYPE_CHECKING:
+    from scalestudy.train.summary import TrialSummary
 
 TABLE_COLUMNS = ("trial_id", "status", M.STEP_TIME_S, M.TOKENS_PER_S, M.TOKENS_PER_S_PER_DEVICE,
                  M.MFU, M.PEAK_MEMORY_GIB, M.LOSS_FIRST, M.LOSS_LAST, "reason")
@@ -68,7 +71,7 @@ class LocalReporter:
         latest = self.checkpoint_dir / "latest" if self.checkpoint_dir else None
         yield str(latest) if latest and (latest / STATE_FILE).is_file() else None
 
-    def report_summary(self, summary: dict[str, Any] | None) -> None:
+    def report_summary(self, summary: TrialSummary | None) -> None:
         """Nothing to send: the body returns rank 0's summary to this process."""
 
 
@@ -88,9 +91,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def one_trial(spec: Path, overrides: list[str], world_size: int) -> TrialConfig:
     """The single runnable trial of the spec, for a world of `world_size` processes."""
-    from scalestudy.spec.load import load_spec, plan
+    from scalestudy.spec.load import load_spec
+    from scalestudy.plan import plan_study
 
-    planned = plan(load_spec(spec, overrides))
+    planned = plan_study(load_spec(spec, overrides))
     if len(planned) != 1:
         raise SpecError("spec", f"{len(planned)} trials",
                         "the local adapter takes exactly one trial; pick one with --set, e.g. "

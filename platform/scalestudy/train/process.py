@@ -10,20 +10,21 @@ from scalestudy.train.host_memory import retain_freed_memory
 
 def prepare_process(cfg: TrialConfig) -> None:
     """Before DeepSpeed is imported: its CPU accelerator, and the allocator behaviour a GPU's
-    caching allocator has (train/host_memory.py), for CPU trials."""
-    if cfg.hardware_profile.kind == "cpu":
+    caching allocator has (train/host_memory.py), for CPU trials; on GPU, that the node's driver
+    runs torch's CUDA (train/cuda_driver.py: else the trial fails here with the fix)."""
+    if cfg.hardware_profile.is_gpu:
+        from scalestudy.train.cuda_driver import check_cuda_driver
+
+        check_cuda_driver()
+    else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         retain_freed_memory()
-
-
-def backend_for(cfg: TrialConfig) -> str:
-    return "nccl" if cfg.hardware_profile.kind == "gpu" else "gloo"
 
 
 def device_for(cfg: TrialConfig, local_rank: int):
     import torch
 
-    if cfg.hardware_profile.kind == "gpu":
+    if cfg.hardware_profile.is_gpu:
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -38,7 +39,7 @@ def init_process_group(cfg: TrialConfig, local_rank: int):
     from scalestudy.train import timing
 
     timing.mark("imported")  # torch and DeepSpeed: seconds in a fresh process, nothing in a warm one
-    deepspeed.init_distributed(dist_backend=backend_for(cfg))
+    deepspeed.init_distributed(dist_backend=cfg.hardware_profile.process_group_backend)
     timing.mark("process_group")
     device = device_for(cfg, local_rank)
     if device.type == "cuda":

@@ -1,5 +1,5 @@
 """A second trial in the same process starts as clean as the first: what one trial leaves behind in
-torch, DeepSpeed and the allocators, and how it is put back (warm worker groups, train/warm.py).
+torch, DeepSpeed and the allocators, and how it is put back (warm worker groups, launch/warm.py).
 
     clean = reentry.snapshot()      # once, in a fresh process whose process group is up
     ... a trial (train/body.py) ...

@@ -1,17 +1,23 @@
-"""A trial body's summary (rank 0's dict, see train/body.py) -> its TrialResult. No Ray here: the
-Ray Train adapter (train/launch.py) and the torchrun adapter (train/local.py) share it."""
+"""A trial body's summary (rank 0's TrialSummary, train/summary.py) -> its TrialResult: the one
+place a measured trial's metrics are derived (throughput, MFU, energy per token, the utilization
+column, what is missing and why). No Ray here: the Ray Train adapter (launch/ray_train.py), warm
+groups (launch/warm.py) and the torchrun adapter (train/local.py) share it."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 from scalestudy import metrics as M
 from scalestudy.measure.energy import EnergyReading, energy_metrics
+from scalestudy.measure.meters import MeterResult
+from scalestudy.measure.profiled_window import ProfiledWindow
 from scalestudy.measure.throughput import throughput_metrics
-from scalestudy.metrics import CollectiveStats, Status, TrialResult
+from scalestudy.metrics import Status, TrialResult
 from scalestudy.spec.trial import TrialConfig
-from scalestudy.train.segments import final_step_times
+from scalestudy.train import segments
+from scalestudy.train.summary import MemoryPeaks, TrialSummary
 
 NO_PROFILED_WINDOW = "no profiled window (steps.profile = 0 or instrumentation off)"
 
@@ -30,23 +36,19 @@ def failure_reason(err: BaseException) -> str:
     return first
 
 
-def ran_config(cfg: TrialConfig, summary: dict[str, Any]) -> TrialConfig:
+def ran_config(cfg: TrialConfig, world_size: int) -> TrialConfig:
     """The config the trial finished at: an elastic trial's last world size, at its layout."""
-    world = summary.get("world_size", cfg.world_size)
-    if world == cfg.world_size:
+    if world_size == cfg.world_size:
         return cfg
-    layout = cfg.layout.resized(world)
+    layout = cfg.layout.resized(world_size)
     return cfg.model_copy(update={"world_size": layout.world_size, "dp": layout.dp,
                                   "grad_accum": layout.grad_accum, "nodes": layout.nodes})
 
 
-def _energy_fields(cfg: TrialConfig, summary: dict[str, Any], n_steps: int
-                   ) -> tuple[dict[str, Any], dict[str, str]]:
-    reading = EnergyReading(summary["energy_j"], 0.0, {}, summary["energy_source"],
-                            summary.get("energy_reason"))
-    fields: dict[str, Any] = energy_metrics(reading, cfg.tokens_per_step * n_steps)
-    fields[M.POWER_W] = summary["power_w"]
-    fields["energy_source"] = reading.source
+def _energy_fields(reading: EnergyReading, tokens: float) -> tuple[dict[str, Any], dict[str, str]]:
+    """Energy, power per device, energy per token and tokens per joule of the timed window's
+    ``tokens``: the one place they are computed."""
+    fields: dict[str, Any] = {**energy_metrics(reading, tokens), "energy_source": reading.source}
     missing = {}
     if reading.source == "none":
         for name in (M.ENERGY_J, M.POWER_W, M.ENERGY_PER_TOKEN_J, M.TOKENS_PER_J):
@@ -54,53 +56,74 @@ def _energy_fields(cfg: TrialConfig, summary: dict[str, Any], n_steps: int
     return fields, missing
 
 
-def _comm_fields(summary: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    fields: dict[str, Any] = {"comm": {k: CollectiveStats(**v)
-                                       for k, v in summary.get("comm", {}).items()}}
-    for name in (M.COMM_TIME_S, M.COMM_EXPOSED_S, M.COMM_EXPOSED_FRACTION, M.STEP_TIME_S_PROFILED):
-        if name in summary:
-            fields[name] = summary[name]
+def _utilization_fields(meters: MeterResult) -> tuple[dict[str, float], dict[str, str]]:
+    """The meters' figure under its own column (device % on GPU, cores busy on CPU)."""
+    metric = meters.utilization_metric
     missing = {}
-    if M.COMM_TIME_S not in summary:
-        missing = {name: NO_PROFILED_WINDOW
-                   for name in (M.COMM_TIME_S, M.COMM_EXPOSED_S, M.COMM_EXPOSED_FRACTION)}
-    return fields, missing
+    if not math.isfinite(meters.utilization):
+        missing[metric] = meters.utilization_reason or "no device was sampled"
+    return {metric: meters.utilization}, missing
 
 
-def summarize(cfg: TrialConfig, summary: dict[str, Any], t0: float) -> TrialResult:
-    step_times, losses = summary["step_times_s"], summary["losses"]
-    # Throughput of the final segment only: an elastic trial's earlier sizes are other trials.
-    fields = throughput_metrics(ran_config(cfg, summary),
-                                final_step_times(step_times, summary.get("resizes")))
-    energy, missing = _energy_fields(cfg, summary, len(step_times))
-    comm, comm_missing = _comm_fields(summary)
-    missing.update(comm_missing)
-    missing.update(summary.get("memory_missing", {}))
-    gpu = cfg.hardware_profile.kind == "gpu" and summary.get("utilization_kind") == "NvmlUtilization"
-    util = {M.DEVICE_UTILIZATION_PCT if gpu else M.CPU_UTILIZATION_CORES: summary["utilization"]}
-    first = summary.get("first_measured_step_wall")
+def _comm_fields(pw: ProfiledWindow | None) -> tuple[dict[str, Any], dict[str, str]]:
+    if pw is None:
+        return {}, {name: NO_PROFILED_WINDOW
+                    for name in (M.COMM_TIME_S, M.COMM_EXPOSED_S, M.COMM_EXPOSED_FRACTION)}
+    return {"comm": dict(pw.comm), M.COMM_TIME_S: pw.comm_time_s, M.COMM_EXPOSED_S: pw.comm_exposed_s,
+            M.COMM_EXPOSED_FRACTION: pw.comm_exposed_fraction,
+            M.STEP_TIME_S_PROFILED: pw.step_time_s_profiled}, {}
+
+
+def _memory_fields(mem: MemoryPeaks) -> tuple[dict[str, Any], dict[str, str]]:
+    return {M.PEAK_MEMORY_GIB: mem.allocated_gib, M.PEAK_MEMORY_RESERVED_GIB: mem.reserved_gib,
+            M.DEVICE_MEMORY_USED_GIB: mem.device_used_gib, "memory_source": mem.source}, dict(mem.missing)
+
+
+def _extra(s: TrialSummary, t0: float) -> dict[str, Any]:
+    """What a result keeps beside its metrics: how they were taken."""
+    e, pw = s.meters.energy, s.profiled
+    return {
+        "deepspeed_config": s.deepspeed_config,
+        "comm_logger": {k: v.model_dump() for k, v in pw.comm_logger.items()} if pw else {},
+        "comm_trace_device": pw.trace_device if pw else None,
+        # how the comm figures were taken: steps touched, micro-batches traced per step, and the
+        # accumulation they were extrapolated to (measure/profiled_window.py)
+        "profiled_window": ({"steps": pw.n_steps, "micro_batches": pw.micro_batches_profiled,
+                             "grad_accum": pw.grad_accum} if pw else None),
+        "shard_shapes": s.shard_shapes,
+        "final_world_size": s.world_size,
+        "final_grad_accum": s.grad_accum,
+        # What the measured energy covers (GPU boards only under NVML) and what was cut out.
+        "energy_scope": e.scope,
+        "energy_excluded_s": e.excluded_s,
+        "energy_excluded_intervals": e.excluded_intervals,
+        "utilization_metric": s.meters.utilization_metric,
+        "worker_node_ids": s.worker_node_ids,
+        # where the trial's time went: epoch-second marks of rank 0 and the adapter
+        # (train/timing.py), from the trial's start in its adapter
+        "timing": {"trial_start": t0, **s.timing},
+    }
+
+
+def summarize(cfg: TrialConfig, s: TrialSummary, t0: float) -> TrialResult:
+    """The completed trial's TrialResult from rank 0's summary; ``t0`` the trial's start (epoch s)."""
+    # An elastic trial's earlier sizes are other trials: throughput is the final segment's.
+    resizes = (segments.summaries(s.segments, s.step_times_s, cfg.tokens_per_step)
+               if len(s.segments) > 1 else [])
+    fields = throughput_metrics(ran_config(cfg, s.world_size),
+                                segments.final_step_times(s.step_times_s, resizes))
+    missing: dict[str, str] = {}
+    for part, why in (_energy_fields(s.meters.energy, cfg.tokens_per_step * len(s.step_times_s)),
+                      _utilization_fields(s.meters), _comm_fields(s.profiled),
+                      _memory_fields(s.memory)):
+        fields.update(part)
+        missing.update(why)
+    first = s.first_measured_step_wall
     return TrialResult.from_config(
-        cfg, Status.completed, **fields, **energy, **util, **comm, missing=missing,
-        peak_memory_gib=summary["peak_memory_gib"], memory_source=summary["memory_source"],
-        peak_memory_reserved_gib=summary.get("peak_memory_reserved_gib", M.NAN),
-        device_memory_used_gib=summary.get("device_memory_used_gib", M.NAN),
-        loss_first=losses[0], loss_last=losses[-1], step_times_s=step_times, losses=losses,
-        wall_time_s=time.time() - t0,
+        cfg, Status.completed, **fields, missing=missing,
+        loss_first=s.losses[0], loss_last=s.losses[-1], step_times_s=s.step_times_s,
+        losses=s.losses, wall_time_s=time.time() - t0,
         time_to_first_step_s=(first - t0) if first else M.NAN,
-        restarts=summary["restarts"], resizes=summary["resizes"],
-        time_lost_s=summary["time_lost_s"],
-        extra={"deepspeed_config": summary["deepspeed_config"],
-               "comm_logger": summary.get("comm_logger", {}),
-               "comm_trace_device": summary.get("comm_trace_device"),
-               "shard_shapes": summary.get("shard_shapes"),
-               "final_world_size": summary.get("world_size", cfg.world_size),
-               "final_grad_accum": summary.get("grad_accum"),
-               # What the measured energy covers (GPU boards only under NVML) and what was cut out.
-               "energy_scope": summary.get("energy_scope"),
-               "energy_excluded_s": summary.get("energy_excluded_s"),
-               "utilization_metric": summary.get("utilization_metric"),
-               "worker_node_ids": summary.get("worker_node_ids"),
-               # where the trial's time went: epoch-second marks of rank 0 and the adapter
-               # (train/timing.py), from the trial's start in its adapter
-               "timing": {"trial_start": t0, **summary.get("timing", {})}},
+        restarts=s.restarts, resizes=[r.model_dump() for r in resizes], time_lost_s=s.time_lost_s,
+        extra=_extra(s, t0),
     )

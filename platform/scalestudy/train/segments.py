@@ -14,7 +14,33 @@ Pure Python on the loop state's plain fields (train/resume.py's LoopState), no t
 from __future__ import annotations
 
 import statistics
-from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Segment(BaseModel):
+    """One stretch of the loop at one world size, as the loop state keeps it (a plain dict there,
+    for the checkpoint's JSON): where it starts, its warm-up, and the index of its first step time."""
+
+    model_config = ConfigDict(extra="forbid")
+    world_size: int
+    grad_accum: int
+    start_step: int
+    warmup_steps: int
+    first_timed: int
+
+
+class Resize(BaseModel):
+    """A segment of a resized trial as its result records it (TrialResult.resizes)."""
+
+    model_config = ConfigDict(extra="forbid")
+    world_size: int
+    grad_accum: int
+    start_step: int
+    warmup_steps: int
+    steps: int  # timed steps of the segment
+    step_time_median_s: float | None  # None: the segment ended before timing a step
+    tokens_per_s: float | None
 
 
 def begin(state, world_size: int, grad_accum: int, warmup_steps: int, measure_steps: int) -> None:
@@ -25,30 +51,31 @@ def begin(state, world_size: int, grad_accum: int, warmup_steps: int, measure_st
     start = state.next_step
     state.timed_from = start + warmup_steps
     state.end_step = state.timed_from + measure_steps - len(state.step_times_s)
-    state.segments.append({"world_size": world_size, "grad_accum": grad_accum,
-                           "start_step": start, "warmup_steps": warmup_steps,
-                           "first_timed": len(state.step_times_s)})
+    state.segments.append(Segment(world_size=world_size, grad_accum=grad_accum, start_step=start,
+                                  warmup_steps=warmup_steps,
+                                  first_timed=len(state.step_times_s)).model_dump())
 
 
-def summaries(segments: list[dict[str, int]], step_times_s: list[float],
-              tokens_per_step: int) -> list[dict[str, Any]]:
+def summaries(segments: list[Segment] | list[dict[str, int]], step_times_s: list[float],
+              tokens_per_step: int) -> list[Resize]:
     """Per segment: world size, accumulation, first step, warm-up, timed steps, their median and
     tokens/s (None when a segment ended before timing a step)."""
+    segs = [Segment.model_validate(s) for s in segments]
     out = []
-    for i, seg in enumerate(segments):
-        end = segments[i + 1]["first_timed"] if i + 1 < len(segments) else len(step_times_s)
-        times = step_times_s[seg["first_timed"]:end]
+    for i, seg in enumerate(segs):
+        end = segs[i + 1].first_timed if i + 1 < len(segs) else len(step_times_s)
+        times = step_times_s[seg.first_timed:end]
         median = statistics.median(times) if times else None
-        out.append({"world_size": seg["world_size"], "grad_accum": seg["grad_accum"],
-                    "start_step": seg["start_step"], "warmup_steps": seg["warmup_steps"],
-                    "steps": len(times), "step_time_median_s": median,
-                    "tokens_per_s": tokens_per_step / median if median else None})
+        out.append(Resize(world_size=seg.world_size, grad_accum=seg.grad_accum,
+                          start_step=seg.start_step, warmup_steps=seg.warmup_steps,
+                          steps=len(times), step_time_median_s=median,
+                          tokens_per_s=tokens_per_step / median if median else None))
     return out
 
 
-def final_step_times(step_times_s: list[float], resizes: list[dict[str, Any]] | None) -> list[float]:
+def final_step_times(step_times_s: list[float], resizes: list[Resize]) -> list[float]:
     """The step times the trial's throughput comes from: its final segment's (all of them when it
     was never resized)."""
     if not resizes:
         return step_times_s
-    return step_times_s[len(step_times_s) - resizes[-1]["steps"]:]
+    return step_times_s[len(step_times_s) - resizes[-1].steps:]

@@ -64,24 +64,14 @@ class Placement:
         return f"{self.min_workers} x {self.resources_per_worker} ({self.placement_strategy}{acc})"
 
 
-def device_resource(cfg: TrialConfig) -> str:
-    return profile_device_resource(cfg.hardware_profile)
-
-
+# A worker's resources are the profile's (HardwareProfile.ray_resources_per_worker, the one place
+# they are computed). These two names remain only for calibrate/across_nodes.py, which imports them.
 def profile_device_resource(hw: HardwareProfile) -> str:
-    return hw.device_resource or ("GPU" if hw.kind == "gpu" else "CPU")
-
-
-def resources_per_worker(cfg: TrialConfig) -> dict[str, float]:
-    return profile_resources(cfg.hardware_profile)
+    return hw.ray_device_resource
 
 
 def profile_resources(hw: HardwareProfile) -> dict[str, float]:
-    """One device and the profile's CPUs beside it (a cpu profile's device is its core)."""
-    device = profile_device_resource(hw)
-    if device == "CPU":
-        return {"CPU": hw.cpus_per_device}
-    return {device: 1.0, "CPU": hw.cpus_per_device}
+    return hw.ray_resources_per_worker()
 
 
 def placement_for(cfg: TrialConfig) -> Placement:
@@ -90,14 +80,15 @@ def placement_for(cfg: TrialConfig) -> Placement:
     packs loosely: it exists to grow onto nodes that arrive and to survive one that goes, which a
     group held to a single node could do only by restarting elsewhere whole (the autoscaling test
     grows a 1-worker trial onto a new 1-CPU node)."""
-    el = cfg.elastic
-    one_node = el is None and cfg.world_size <= cfg.hardware_profile.gpus_per_node
+    el, hw = cfg.elastic, cfg.hardware_profile
+    one_node = el is None and cfg.world_size <= hw.gpus_per_node
     return Placement(
         num_workers=(el.min_workers, el.max_workers) if el else cfg.world_size,
-        use_gpu=device_resource(cfg) == "GPU",
-        resources_per_worker=resources_per_worker(cfg),
+        # Ray Train's use_gpu asks for Ray's "GPU" resource: not for a custom one (fake clusters)
+        use_gpu=hw.ray_device_resource == "GPU",
+        resources_per_worker=hw.ray_resources_per_worker(),
         placement_strategy="STRICT_PACK" if one_node else "PACK",
-        accelerator_type=cfg.hardware_profile.accelerator_type,
+        accelerator_type=hw.accelerator_type,
         extra={"elastic_resize_monitor_interval_s": el.resize_check_s} if el else {},
     )
 
@@ -121,7 +112,7 @@ def local_shortfall(cfg: TrialConfig, available: dict[str, float]) -> str | None
 def health_check_interval_s(cfg: TrialConfig) -> float:
     """Short on CPU (local) trials; Ray's default on GPU clusters, longer past
     POLLS_PER_S_GPU * 2 s workers so the controller's polls stay under POLLS_PER_S_GPU a second."""
-    if cfg.hardware_profile.kind != "gpu":
+    if not cfg.hardware_profile.is_gpu:
         return LOCAL_HEALTH_CHECK_S
     workers = cfg.elastic.max_workers if cfg.elastic else cfg.world_size
     return max(RAY_DEFAULT_HEALTH_CHECK_S, workers / POLLS_PER_S_GPU)

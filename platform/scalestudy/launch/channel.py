@@ -9,19 +9,22 @@ storage. The actor lives as long as the launcher holds its handle and dies with 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ray
+
+if TYPE_CHECKING:
+    from scalestudy.train.summary import TrialSummary
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class TrialChannel:
     """Holds rank 0's summary of one trial attempt (a restarted attempt's summary replaces it) and
-    the start of the trial's worker group."""
+    the start of the trial's worker group. The summary travels pickled, as the typed model it is."""
 
     def __init__(self) -> None:
-        self._summary: dict[str, Any] | None = None
-        # The trial's start, as its Train controller reports it (train/deadline.py).
+        self._summary: TrialSummary | None = None
+        # The trial's start, as its Train controller reports it (launch/deadline.py).
         self._controller: list | None = None
         self._worker_group_starts = 0
 
@@ -34,10 +37,10 @@ class TrialChannel:
     def start_state(self) -> tuple[int, list | None]:
         return self._worker_group_starts, self._controller
 
-    def put(self, summary: dict[str, Any]) -> None:
+    def put(self, summary: TrialSummary) -> None:
         self._summary = summary
 
-    def get(self) -> dict[str, Any] | None:
+    def get(self) -> TrialSummary | None:
         return self._summary
 
 
@@ -46,17 +49,17 @@ def open_channel():
     own node: a node lost mid-trial (elastic shrink) must not take the summary's way back with it.
     It was soft-pinned, which Ray does not hold for an actor that asks for no resources: the likely
     cause of an elastic-shrink test run whose trial failed with "The actor died unexpectedly"."""
-    from scalestudy.train.placement import on_this_node
+    from scalestudy.launch.placement import on_this_node
 
     return TrialChannel.options(**on_this_node()).remote()
 
 
-def send(channel, summary: dict[str, Any]) -> None:
+def send(channel, summary: TrialSummary) -> None:
     """Rank 0: wait until the summary is stored, so the trial cannot end before it arrives."""
     ray.get(channel.put.remote(summary))
 
 
-def receive(channel) -> dict[str, Any] | None:
+def receive(channel) -> TrialSummary | None:
     """The launcher, after the trainer returned: the summary, or None when no rank sent one."""
     try:
         return ray.get(channel.get.remote())

@@ -2,7 +2,7 @@
 
 `train_loop_per_worker` runs in every Ray Train worker. Ray Train has started torch.distributed;
 checkpoints go through Ray Train (a checkpoint per `ray.train.report`, persisted to the run's
-storage), rank 0's summary through the launcher's TrialChannel actor (train/channel.py), so a trial
+storage), rank 0's summary through the launcher's TrialChannel actor (launch/channel.py), so a trial
 that does not checkpoint never needs storage that every node can see.
 """
 
@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray.train
 
-from scalestudy.train.channel import send
+from scalestudy.launch.channel import send
+
+if TYPE_CHECKING:
+    from scalestudy.train.summary import TrialSummary
 
 
 class RayReporter:
@@ -39,7 +42,7 @@ class RayReporter:
         with checkpoint.as_directory() as d:
             yield d
 
-    def report_summary(self, summary: dict[str, Any] | None) -> None:
+    def report_summary(self, summary: TrialSummary | None) -> None:
         if summary is not None:
             send(self.channel, summary)
 
@@ -55,7 +58,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     prepare_process(cfg)
     reporter = RayReporter(config["channel"])
     init_process_group(cfg, reporter.local_rank)
-    from scalestudy.train.placement import check_tp_nodes
+    from scalestudy.launch.placement import check_tp_nodes
 
     # Before anything is built: a TP group across nodes fails the trial with its reason.
     reporter.summary_extra = {"worker_node_ids": check_tp_nodes(cfg)}

@@ -1,5 +1,5 @@
 """Run one trial for real: a Ray Train TorchTrainer with world_size DeepSpeed workers, each running
-the trial body (train/body.py) through the Ray Train adapter (train/worker.py)."""
+the trial body (train/body.py) through the Ray Train adapter (launch/worker.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from pathlib import Path
 
 from scalestudy.metrics import Status, TrialResult
 from scalestudy.spec.trial import TrialConfig
-from scalestudy.train.placement import (HEALTH_CHECK_ENV, LOCAL_HEALTH_CHECK_S,
+from scalestudy.launch.placement import (HEALTH_CHECK_ENV, LOCAL_HEALTH_CHECK_S,
                                         health_check_interval_s, local_shortfall, placement_for)
 from scalestudy.train.result import failure_reason, summarize
 
 # Ray Train v2's controller polls workers every 2 s by default, which adds ~2 s to each report and
 # to the end of every trial; 0.2 s costs nothing measurable on a local trial and saves most of that.
-# The job-wide default; run_trial sets each trial's own (train/placement.py) before it starts.
+# The job-wide default; run_trial sets each trial's own (launch/placement.py) before it starts.
 RAY_ENV = {HEALTH_CHECK_ENV: str(LOCAL_HEALTH_CHECK_S)}
 
 
@@ -80,16 +80,15 @@ def run_trial(
     `storage_filesystem` are Ray Train's (track/storage.py's ray_storage makes them from a results
     root): a Path is made absolute, a string (a URI) goes to Ray untouched. They hold checkpoints
     only: the summary comes back through a TrialChannel actor, which also tells this process when
-    the worker group started (train/deadline.py: placement_timeout_s, then trial_timeout_s)."""
+    the worker group started (launch/deadline.py: placement_timeout_s, then trial_timeout_s)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from scalestudy.train.channel import open_channel, receive
-    from scalestudy.train.deadline import StartCallback, TrialTimeout, fit_within_limits
-    from scalestudy.train.worker import train_loop_per_worker
+    from scalestudy.launch.channel import open_channel, receive
+    from scalestudy.launch.deadline import StartCallback, TrialTimeout, fit_within_limits
+    from scalestudy.launch.worker import train_loop_per_worker
 
     t0 = time.time() if t0 is None else t0
-    gpu = cfg.hardware_profile.kind == "gpu"
     placement = placement_for(cfg)
     # Read by the controller this trial starts (Ray Train propagates it from this process).
     os.environ[HEALTH_CHECK_ENV] = f"{health_check_interval_s(cfg):g}"
@@ -99,7 +98,7 @@ def run_trial(
         train_loop_config={"trial": cfg.model_dump(mode="json"), "fault": fault,
                            "instrument": instrument, "channel": channel},
         scaling_config=ScalingConfig(**placement.scaling_kwargs()),
-        torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
+        torch_config=TorchConfig(backend=cfg.hardware_profile.process_group_backend),
         run_config=RunConfig(
             name=f"{cfg.study}-{cfg.run_name}-{cfg.trial_id}-{uuid.uuid4().hex[:6]}",
             storage_path=(str(storage_path.resolve()) if isinstance(storage_path, Path)

@@ -7,7 +7,7 @@ ends the trial as a timeout with its own reason, and aborts the trial's Train co
 placement group and workers go with it.
 
 The controller runs in its own actor (Ray Train v2), so it tells the driver through the trial's
-TrialChannel actor (train/channel.py): a callback in the controller hands over the controller's
+TrialChannel actor (launch/channel.py): a callback in the controller hands over the controller's
 handle when it starts and marks each worker-group start; the driver polls the channel.
 """
 

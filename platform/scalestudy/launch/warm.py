@@ -1,6 +1,6 @@
 """Warm worker groups: consecutive trials of one worker shape share long-lived worker processes.
 
-A cold trial (train/launch.py) starts a Ray Train controller, a placement group and world_size
+A cold trial (launch/ray_train.py) starts a Ray Train controller, a placement group and world_size
 worker processes that import torch and DeepSpeed and start a process group, all for seconds of
 training, then tears it all down. Here a group of Ray actors holding an initialised process group
 stays up between trials of the same shape (world size, resources per worker, hardware): each trial
@@ -12,7 +12,8 @@ the trainable only borrows a group for the trial it was given.
         run = warm_run(pool, cfg)                   # in the trainable: None -> a cold trial
         result = run.run(t0, fault)                 # a TrialResult, as run_trial returns
 
-A trial that fails (or times out) takes its group down with it: the next trial starts a fresh one,
+The pool of groups is launch/warm_pool.py. A trial that fails (or times out, also while its group
+is still being placed or started) takes its group down with it: the next trial starts a fresh one,
 so nothing a failure left half-done (a rank stuck in a collective, a leaked allocation) reaches
 another trial's numbers. Trials with fault tolerance or elastic sizes run cold: restarts and
 resizes are Ray Train's. Idle groups of other shapes give their resources up when a trial needs them.
@@ -20,20 +21,21 @@ resizes are Ray Train's. Idle groups of other shapes give their resources up whe
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ray
 
 from scalestudy.metrics import Status, TrialResult
 from scalestudy.spec.trial import TrialConfig
-from scalestudy.train.placement import on_this_node
+from scalestudy.launch.placement import on_this_node
 from scalestudy.train.result import failure_reason, summarize
+
+if TYPE_CHECKING:
+    from scalestudy.train.summary import TrialSummary
 
 POOL_PREFIX = "scalestudy-warm-"
 # How long a new group waits to be placed before idle groups of other shapes give their resources
@@ -43,13 +45,12 @@ WAIT_SLICE_S = 0.25
 
 
 def resources_per_worker(cfg: TrialConfig) -> dict[str, float]:
-    """As a cold trial's ScalingConfig asks (train/placement.py: the profile's device and CPUs,
-    and its accelerator type as the 0.001-unit constraint resource Ray Train itself adds)."""
+    """As a cold trial's ScalingConfig asks (launch/placement.py): the profile's device and CPUs
+    (HardwareProfile.ray_resources_per_worker), and its accelerator type as the 0.001-unit
+    constraint resource Ray Train itself adds."""
     from ray._common.utils import RESOURCE_CONSTRAINT_PREFIX
 
-    from scalestudy.train.placement import resources_per_worker as from_profile
-
-    res = from_profile(cfg)
+    res = cfg.hardware_profile.ray_resources_per_worker()
     if cfg.hardware_profile.accelerator_type:
         res[f"{RESOURCE_CONSTRAINT_PREFIX}{cfg.hardware_profile.accelerator_type}"] = 0.001
     return res
@@ -81,7 +82,7 @@ class WarmReporter:
     def latest_checkpoint(self) -> Iterator[str | None]:
         yield None
 
-    def report_summary(self, summary: dict[str, Any] | None) -> None:
+    def report_summary(self, summary: TrialSummary | None) -> None:
         """Nothing to send: TrialWorker.run returns rank 0's summary."""
 
 
@@ -101,8 +102,9 @@ class TrialWorker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def start(self, cfg: TrialConfig, env: dict[str, str]) -> None:
-        """Join the group's process group (torchrun's environment variables, as train/local.py)."""
+    def start(self, cfg: TrialConfig, env: dict[str, str]) -> int:
+        """Join the group's process group (torchrun's environment variables, as train/local.py);
+        returns this worker's process id (the pool's description of its groups shows it)."""
         import os
 
         from scalestudy.train import reentry
@@ -114,14 +116,15 @@ class TrialWorker:
         init_process_group(cfg, self.local_rank)
         import scalestudy.train.body  # noqa: F401 - its imports are the group's start, not a trial's
         self.clean = reentry.snapshot()
+        return os.getpid()
 
-    def run(self, cfg: TrialConfig, fault: str | None, instrument: bool) -> dict[str, Any] | None:
+    def run(self, cfg: TrialConfig, fault: str | None, instrument: bool) -> TrialSummary | None:
         """One trial on this rank; rank 0 returns the summary. The process is put back as it was
         after the trial, also when it failed (the group is then discarded anyway)."""
         from scalestudy.train import reentry, timing
         from scalestudy.train.body import run_body
 
-        from scalestudy.train.placement import check_tp_nodes
+        from scalestudy.launch.placement import check_tp_nodes
 
         timing.start()
         timing.mark("worker_entry")
@@ -154,132 +157,6 @@ def _rank_env(placed: list[tuple[str, str, list[str]]]) -> list[dict[str, str]]:
     return envs
 
 
-@dataclass
-class Group:
-    shape: tuple
-    pg: Any
-    workers: list = field(default_factory=list)  # in rank order
-    busy: bool = True
-    trials: int = 0  # trials started on it
-
-    def kill(self) -> None:
-        from ray.util.placement_group import remove_placement_group
-
-        for w in self.workers:
-            ray.kill(w, no_restart=True)
-        remove_placement_group(self.pg)
-
-
-@ray.remote(num_cpus=0, max_concurrency=64)
-class WarmPool:
-    """The sweep's warm groups (owned by the driver: they die with it). Threaded: a trial waiting
-    for resources never blocks another trial's release."""
-
-    def __init__(self) -> None:
-        self.groups: dict[str, Group] = {}
-        self.lock = threading.Lock()
-
-    def _take_idle(self, shape: tuple, evict: bool) -> tuple[str, Group] | None:
-        """Under the lock: an idle group of the shape, now busy. With `evict`, idle groups of other
-        shapes are taken down: a new group that cannot start waits for exactly their resources."""
-        found = next(((gid, g) for gid, g in self.groups.items()
-                      if not g.busy and g.shape == shape), None)
-        for gid, g in list(self.groups.items()):
-            if evict and not g.busy and g.shape != shape:
-                self.groups.pop(gid).kill()
-        if found:
-            found[1].busy = True
-            found[1].trials += 1
-        return found
-
-    def acquire(self, cfg: TrialConfig) -> tuple[str, list, int, float]:
-        """(group id, workers in rank order, trials the group ran before this one, seconds spent
-        placing and starting a new group: 0 when an idle one was taken)."""
-        from ray.util.placement_group import placement_group, remove_placement_group
-
-        shape, t = shape_of(cfg), time.time()
-        with self.lock:
-            found = self._take_idle(shape, evict=False)
-        if found:
-            return found[0], found[1].workers, found[1].trials - 1, 0.0
-        from scalestudy.train.placement import placement_for
-
-        pg = placement_group([resources_per_worker(cfg)] * cfg.world_size,
-                             strategy=placement_for(cfg).placement_strategy)
-        placed = pg.ready()
-        while True:
-            ready, _ = ray.wait([placed], timeout=WAIT_SLICE_S)
-            if not ready and time.time() - t > cfg.placement_timeout_s:
-                remove_placement_group(pg)
-                raise RuntimeError(
-                    f"placement: exceeded placement_timeout_s={cfg.placement_timeout_s:g} waiting "
-                    f"for {cfg.world_size} x {resources_per_worker(cfg)}")
-            with self.lock:
-                found = None if ready else self._take_idle(shape, evict=True)
-            if found:
-                remove_placement_group(pg)
-                return found[0], found[1].workers, found[1].trials - 1, time.time() - t
-            if ready:
-                break
-        group = self._start(cfg, shape, pg)
-        gid = uuid.uuid4().hex[:8]
-        with self.lock:
-            self.groups[gid] = group
-        return gid, group.workers, 0, time.time() - t
-
-    def _start(self, cfg: TrialConfig, shape: tuple, pg) -> Group:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        res = resources_per_worker(cfg)
-        workers = [TrialWorker.options(
-            num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-        ).remote() for i in range(cfg.world_size)]
-        group = Group(shape, pg, workers, trials=1)
-        try:
-            envs = _rank_env(ray.get([w.where.remote() for w in workers]))
-            order = sorted(range(len(workers)), key=lambda i: int(envs[i]["RANK"]))
-            group.workers = [workers[i] for i in order]
-            master = order[0]
-            addr, port = ray.get(workers[master].where.remote())[1], ray.get(
-                workers[master].free_port.remote())
-            ray.get([w.start.remote(cfg, {**envs[i], "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
-                     for i, w in enumerate(workers)])
-        except Exception:
-            group.kill()
-            raise
-        return group
-
-    def release(self, gid: str, healthy: bool) -> None:
-        """A finished trial's group: idle for the next trial, or (after a failure) gone."""
-        with self.lock:
-            group = self.groups.get(gid)
-            if group is None:
-                return
-            if healthy:
-                group.busy = False
-                return
-            self.groups.pop(gid)
-        group.kill()
-
-    def evict_idle(self) -> None:
-        """Before a cold trial (Ray Train's own workers): idle groups give their resources back."""
-        with self.lock:
-            idle = [self.groups.pop(gid) for gid, g in list(self.groups.items()) if not g.busy]
-        for g in idle:
-            g.kill()
-
-    def node_id(self) -> str:
-        """The Ray node this pool lives on (the driver's: see warm_pool)."""
-        return ray.get_runtime_context().get_node_id()
-
-    def shutdown(self) -> None:
-        with self.lock:
-            groups, self.groups = list(self.groups.values()), {}
-        for g in groups:
-            g.kill()
-
-
 def pool_name(reuse: bool, sweep_id: str) -> str | None:
     """The sweep's pool's actor name; None when reuse is off (every trial cold)."""
     return f"{POOL_PREFIX}{sweep_id}" if reuse else None
@@ -294,6 +171,8 @@ def warm_pool(reuse: bool, sweep_id: str) -> Iterator[str | None]:
         return
     # On the driver's node: a worker node that the autoscaler scales down or that is lost would
     # otherwise take the sweep's pool with it (see on_this_node).
+    from scalestudy.launch.warm_pool import WarmPool  # it starts this module's TrialWorkers
+
     pool = WarmPool.options(name=name, **on_this_node()).remote()
     try:
         yield name
@@ -316,13 +195,16 @@ class WarmRun:
     def __init__(self, pool_name: str, cfg: TrialConfig):
         self.pool = ray.get_actor(pool_name)
         self.cfg = cfg
-        self.gid: str | None = None
+        # Names this trial to the pool from before it has a group, so an abandon during the
+        # group's placement or start finds it (WarmPool.abandon).
+        self.holder = uuid.uuid4().hex
+        self.holding = False
 
     def run(self, t0: float, fault: str | None = None, instrument: bool = True) -> TrialResult:
         cfg, healthy = self.cfg, False
         try:
-            gid, workers, before, start_s = ray.get(self.pool.acquire.remote(cfg))
-            self.gid = gid
+            gid, workers, before, start_s = ray.get(self.pool.acquire.remote(cfg, self.holder))
+            self.holding = True
             refs = [w.run.remote(cfg, fault, instrument) for w in workers]
             pending = list(refs)
             while pending:  # the first rank that fails ends the trial: the others may be stuck
@@ -340,13 +222,15 @@ class WarmRun:
         return result
 
     def _release(self, healthy: bool) -> None:
-        gid, self.gid = self.gid, None
-        if gid is not None:
-            ray.get(self.pool.release.remote(gid, healthy))
+        holding, self.holding = self.holding, False
+        if holding:
+            ray.get(self.pool.release.remote(self.holder, healthy))
 
     def abandon(self) -> None:
-        """The trial timed out: its group goes, whatever it is doing."""
-        self._release(False)
+        """The trial timed out: its group goes, whatever it is doing, also while it is still
+        being placed or started (then acquire fails in the trial's thread)."""
+        self.holding = False
+        ray.get(self.pool.abandon.remote(self.holder))
 
 
 def warm_run(pool_name: str | None, cfg: TrialConfig) -> WarmRun | None:

@@ -1,0 +1,212 @@
+"""`scalestudy plan`: the space of layouts for one model on N devices, every point judged by the one
+planner (plan_spec) and predicted by the model, ranked by an objective with an uncertainty band.
+
+The space is a study spec built in memory (backend simulate, every free axis a list), so a layout
+the planner ranks is exactly a trial `sweep` would run or refuse, with the same memory rule. Its
+plan.yaml is that spec narrowed to the layouts chosen. Pure Python: no torch, no ray.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+from scalestudy import metrics as M
+from scalestudy.errors import SpecError
+from scalestudy.metrics import Status, TrialResult
+from scalestudy.perfmodel.predict import predict_many
+from scalestudy.plan.build import plan_spec
+from scalestudy.plan.entry import PlanEntry
+from scalestudy.spec import catalog
+from scalestudy.spec.load import validate_spec
+from scalestudy.spec.study import StudySpec
+
+# Axes `--space` may free; the others stay at their single value.
+FREE_AXES = ("zero", "tp", "pp", "micro_batch", "recompute")
+MAX_LAYOUTS = 100_000
+
+
+class Objective(str, Enum):
+    tokens_per_s = M.TOKENS_PER_S
+    tokens_per_joule = "tokens_per_joule"
+    usd_per_token = "usd_per_token"
+
+
+class PlanRequest(BaseModel):
+    """What the user asks: a model on N devices of one hardware, and which axes are free."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    hardware: str
+    devices: PositiveInt
+    global_batch: PositiveInt | None = None  # sequences per step; None: 1,024 or what N needs
+    seq_len: PositiveInt | None = None       # None: min(4,096, the model's max)
+    precision: str = "auto"
+    mem_cap_gib: float | None = Field(default=None, gt=0)
+    objective: Objective = Objective.tokens_per_s
+    space: tuple[str, ...] = FREE_AXES
+    usd_per_device_hour: float | None = Field(default=None, gt=0)
+
+
+def _powers(limit: int, start: int = 1) -> list[int]:
+    out, v = [], start
+    while v <= limit:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def space_spec(req: PlanRequest) -> StudySpec:
+    """The in-memory study whose grid is the space (a SpecError names a bad request's field)."""
+    unknown = set(req.space) - set(FREE_AXES)
+    if unknown:
+        raise SpecError("--space", ",".join(sorted(unknown)), f"choose from {', '.join(FREE_AXES)}")
+    dims = catalog.get_model(req.model) if req.model in catalog.model_names() else None
+    if dims is None:
+        raise SpecError("MODEL", req.model, f"choose one of {', '.join(catalog.model_names())}")
+    hw = req.hardware
+    per_node = catalog.get_hardware(hw).gpus_per_node if hw in catalog.hardware_names() else 8
+    n = req.devices
+    seq = req.seq_len or min(4096, dims.max_seq_len)
+    gb = req.global_batch or max(1024, _ceil_pow2(n))
+    free = set(req.space)
+    data: dict[str, Any] = {
+        "name": f"plan-{req.model}-{n}", "model": req.model, "hardware": hw,
+        "backend": "simulate", "seq_len": seq, "precision": req.precision, "world_size": n,
+        "global_batch": gb,
+        "zero_stage": [0, 1, 2, 3] if "zero" in free else [1],
+        "tp": [t for t in _powers(per_node) if n % t == 0] if "tp" in free else [1],
+        "pp": [p for p in _powers(min(dims.num_layers, n)) if dims.num_layers % p == 0]
+        if "pp" in free else [1],
+        "micro_batch": [b for b in _powers(min(gb, 32))] if "micro_batch" in free else [1],
+        "activation_checkpointing": [False, True] if "recompute" in free else [False],
+        "tracking": {"experiment": f"plan-{req.model}"},
+    }
+    return validate_spec(data)
+
+
+def _ceil_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class RankedLayout(BaseModel):
+    """One layout of the space: the plan's verdict, the model's prediction and its score."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    entry: PlanEntry
+    result: TrialResult
+    family: str
+    score: float          # the objective, larger is better (usd_per_token is negated)
+    low: float            # the score's band from the model's validation residuals (family)
+    high: float
+
+    @property
+    def feasible(self) -> bool:
+        return self.result.status is Status.completed
+
+
+def family_of(tp: int, pp: int, zero_stage: int) -> str:
+    """The layout families the study compares: sharded data parallelism, plain data parallelism,
+    tensor parallelism, pipelines (with or without tensor parallelism)."""
+    if pp > 1:
+        return "pipeline+tp" if tp > 1 else "pipeline"
+    if tp > 1:
+        return "tensor"
+    return "zero3" if zero_stage == 3 else "data"
+
+
+# Relative error of the model's throughput per family, out of sample: the published validation rows
+# (tests/validation/test_published.py, leave-one-source-out, 62 rows on 2026-12-06) split by the
+# family of each row's layout, mean absolute relative error. A family with fewer than
+# MIN_FAMILY_ROWS rows takes the overall figure. tests/validation/test_plan_bands.py recomputes them
+# and fails when they drift from the validation.
+MIN_FAMILY_ROWS = 5
+FAMILY_ERROR = {"zero3": 0.141, "pipeline+tp": 0.065}  # 43 and 15 rows
+OVERALL_ERROR = 0.123  # all 62 rows; data (1 row), tensor (3), pipeline (0) take it
+
+
+def _score(result: TrialResult, req: PlanRequest, price: float | None) -> float:
+    if result.status is not Status.completed:
+        return -math.inf
+    if req.objective is Objective.tokens_per_s:
+        return result.tokens_per_s
+    if req.objective is Objective.tokens_per_joule:
+        return result.tokens_per_j_estimated
+    hourly = price * result.world_size
+    return -hourly / 3600.0 / result.tokens_per_s  # USD per token, negated: larger is better
+
+
+def rank(req: PlanRequest) -> list[RankedLayout]:
+    """Every layout of the space, best first by the objective (infeasible last)."""
+    spec = space_spec(req)
+    entries = plan_spec(spec)
+    if len(entries) > MAX_LAYOUTS:
+        raise SpecError("--space", ",".join(req.space), f"{len(entries):,} layouts exceed "
+                        f"{MAX_LAYOUTS:,}; free fewer axes")
+    if req.mem_cap_gib is not None:
+        entries = [_capped(e, req.mem_cap_gib) for e in entries]
+    price = _price(req)
+    ranked = []
+    for e, r in zip(entries, predict_many(entries)):
+        fam = family_of(r.tp, r.pp, r.zero_stage)
+        s = _score(r, req, price)
+        err = FAMILY_ERROR.get(fam, OVERALL_ERROR)
+        band = (s * (1 - err), s * (1 + err)) if s > 0 else (s * (1 + err), s * (1 - err))
+        ranked.append(RankedLayout(entry=e, result=r, family=fam, score=s, low=min(band),
+                                   high=max(band)))
+    ranked.sort(key=lambda x: -x.score)
+    return ranked
+
+
+def _capped(entry: PlanEntry, cap_gib: float) -> PlanEntry:
+    """The entry judged against a device of `cap_gib` (the memory rule, with its margin)."""
+    from scalestudy.perfmodel.memory import memory_refusal
+
+    if not entry.feasible or entry.memory is None:
+        return entry
+    reason = memory_refusal(entry.memory.total_gib, min(cap_gib, entry.memory.device_gib))
+    if reason is None:
+        return entry
+    from scalestudy.errors import ReasonClass
+
+    return entry.model_copy(update={"reason": f"{reason} (--mem-cap {cap_gib:g} GiB)",
+                                    "reason_class": ReasonClass.memory})
+
+
+def _price(req: PlanRequest) -> float | None:
+    if req.objective is not Objective.usd_per_token:
+        return None
+    price = req.usd_per_device_hour or catalog.get_hardware(req.hardware).usd_per_device_hour
+    if price is None:
+        raise SpecError("--usd-per-device-hour", None, f"hardware {req.hardware} has no price "
+                        "in the catalogue; give one")
+    return price
+
+
+def refusals(ranked: list[RankedLayout], n: int = 5) -> list[tuple[str, int, str]]:
+    """(reason class, how many layouts, one example reason) of the refused, commonest first."""
+    refused = [r for r in ranked if not r.feasible]
+    counts = Counter(r.result.reason_class or "?" for r in refused)
+    example = {}
+    for r in refused:
+        example.setdefault(r.result.reason_class or "?", f"{r.entry.config.run_name}: {r.result.reason}")
+    return [(c, k, example[c]) for c, k in counts.most_common(n)]
+
+
+def table_rows(ranked: list[RankedLayout]) -> list[dict[str, Any]]:
+    """Rows of the ranked table (feasible layouts), as the CLI prints them."""
+    rows = []
+    for i, r in enumerate([x for x in ranked if x.feasible], 1):
+        res = r.result
+        rows.append({"rank": i, "trial": r.entry.config.run_name, "family": r.family,
+                     "zero_stage": res.zero_stage, "tp": res.tp, "pp": res.pp, "dp": res.dp,
+                     "micro_batch": res.micro_batch, "grad_accum": res.grad_accum,
+                     "activation_checkpointing": res.activation_checkpointing,
+                     M.TOKENS_PER_S: res.tokens_per_s, "score": r.score, "low": r.low,
+                     "high": r.high, M.MFU: res.mfu, M.PEAK_MEMORY_GIB: res.peak_memory_gib,
+                     "status": "predicted"})
+    return rows

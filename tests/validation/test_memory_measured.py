@@ -1,0 +1,130 @@
+"""The memory estimate (perfmodel/memory.py) against measured peaks of real CPU trials (issue 30).
+
+The measured table is tests/validation/data/memory_measured.yaml, written by
+tests/validation/measure_memory.py (its `measured` block: the command, the date, `lscpu`'s model): 15
+trials of a 52M-parameter Llama in fp32 and bf16 (memory_spec.yaml) over ZeRO 0-3, tp 1-2,
+micro-batches 1-8 and activation checkpointing, each in a process group of its own (torchrun, no
+Ray), measured as the platform records memory on a CPU: the largest rank's peak RSS.
+
+* test_estimate_within_bound_of_every_scored_trial: the estimate of each scored trial is within
+  BOUND of its recorded peak. None of the estimate's constants was chosen on these trials: the
+  worker process (CPU_PROCESS_BYTES) comes from the llama2-tiny trials of the `process` group, the
+  heap's retention (CPU_HEAP_RETENTION_PLAIN / _SHARDED) from another model's trials
+  (`calibration`); a test below recomputes them from those groups and checks the constants agree.
+* test_live_trials_reproduce_the_table (slow): all 12+ trials take about 15 minutes on this 2-core
+  machine, more than the suite can spend, so a representative subset (LIVE: ZeRO 0 and 3, tp 2,
+  checkpointing) is measured again here, one after another, and held both to the estimate (BOUND)
+  and to the recorded figure (REPRODUCE), which shows the table is this code's measurement.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+import measure_memory as mm  # noqa: E402  (the script that writes the table)
+
+from scalestudy.perfmodel import memory  # noqa: E402
+
+BOUND = 0.15
+REPRODUCE = 0.06  # a trial's peak RSS across runs on this machine: within ~2%
+LIVE = ("z0-w1-mb1", "z3-w2-mb1", "z3-w2-mb1-ckpt", "tp2-z0-w2-mb1")
+DATA = yaml.safe_load(mm.DATA.read_text())
+
+
+def _group(name: str) -> tuple[Path, list[dict]]:
+    group = DATA["groups"][name]
+    return mm.spec_of(group), group["trials"]
+
+
+def _table() -> list[tuple[dict, object]]:
+    spec, trials = _group("scored")
+    return [(t, mm.estimate(t["set"], spec)) for t in trials]
+
+
+def _print(rows: list[tuple[dict, object, float]]) -> None:
+    terms = [t for t in memory.TERMS if any(est.terms_gib[t] for _, est, _ in rows)]
+    print(f"\n{'trial':<16}" + "".join(f"{t[:9]:>10}" for t in terms)
+          + f"{'estimate':>10}{'measured':>10}{'error':>8}")
+    for trial, est, measured in rows:
+        print(f"{trial['id']:<16}" + "".join(f"{est.terms_gib[t]:>10.3f}" for t in terms)
+              + f"{est.total_gib:>10.3f}{measured:>10.3f}{est.total_gib / measured - 1:>+8.1%}")
+
+
+def test_estimate_within_bound_of_every_scored_trial():
+    rows = [(t, est, t["peak_memory_gib"]) for t, est in _table()]
+    _print(rows)
+    meta = DATA["measured"]
+    print(f"measured {meta['date']} on '{meta['cpu_model']}' by {meta['command']}")
+    assert len(rows) >= 12
+    assert {t["set"][0] for t, _, _ in rows}  # every trial carries its overrides
+    worst = max(rows, key=lambda r: abs(r[1].total_gib / r[2] - 1))
+    misses = [(t["id"], round(est.total_gib / m - 1, 3)) for t, est, m in rows
+              if abs(est.total_gib / m - 1) > BOUND]
+    assert not misses, f"beyond {BOUND:.0%}: {misses} (worst {worst[0]['id']})"
+
+
+def test_cpu_constants_come_from_the_trials_that_are_not_scored():
+    """CPU_PROCESS_BYTES: the llama2-tiny trials' peaks less their (few MiB of) tensors. The heap's
+    retention: on the calibration model, what the peak holds beyond the process and the estimated
+    tensors, per byte of tensors, averaged over the trials of each class (memory.cpu_heap_retention).
+    Both within rounding of the module's constants."""
+    def tensors(est) -> float:
+        t = est.terms_gib
+        return est.total_gib - t["runtime"] - t["fragmentation"]
+
+    spec, trials = _group("process")
+    process = [t["peak_memory_gib"] - tensors(mm.estimate(t["set"], spec)) for t in trials]
+    print(f"\nprocess per llama2-tiny trial: {[round(p, 3) for p in process]} GiB")
+    assert sum(process) / len(process) == pytest.approx(memory.CPU_PROCESS_BYTES / memory.GIB,
+                                                        abs=0.02)
+    spec, trials = _group("calibration")
+    proc = memory.CPU_PROCESS_BYTES / memory.GIB
+    by_class: dict[float, list[float]] = {}
+    for t in trials:
+        est = mm.estimate(t["set"], spec)
+        constant = memory.cpu_heap_retention(_config(t["set"], spec))
+        by_class.setdefault(constant, []).append((t["peak_memory_gib"] - proc - tensors(est))
+                                                 / tensors(est))
+    print(f"heap retention per calibration trial, by class: "
+          f"{ {k: [round(f, 3) for f in v] for k, v in by_class.items()} }")
+    assert set(by_class) == {memory.CPU_HEAP_RETENTION_PLAIN, memory.CPU_HEAP_RETENTION_SHARDED}
+    for constant, fractions in by_class.items():
+        assert sum(fractions) / len(fractions) == pytest.approx(constant, abs=0.03)
+
+
+def _config(sets: list[str], spec: Path):
+    from scalestudy.plan import plan_study
+    from scalestudy.spec.load import load_spec
+
+    return plan_study(load_spec(spec, sets))[0].config
+
+
+def test_the_table_spans_what_the_issue_asks():
+    sets = [" ".join(t["set"]) for t in _group("scored")[1]]
+    for needed in ("zero_stage=0", "zero_stage=1", "zero_stage=2", "zero_stage=3", "tp=2",
+                   "activation_checkpointing=true"):
+        assert any(needed in s for s in sets), needed
+    assert len({s.split("micro_batch=")[1].split()[0] for s in sets}) >= 3
+
+
+@pytest.mark.slow
+def test_live_trials_reproduce_the_table():
+    table = {t["id"]: (t, est) for t, est in _table()}
+    sets = " ".join(" ".join(table[i][0]["set"]) for i in LIVE)
+    assert "zero_stage=0" in sets and "zero_stage=3" in sets and "tp=2" in sets
+    assert "activation_checkpointing=true" in sets
+    rows, drift = [], []
+    for trial_id in LIVE:
+        trial, est = table[trial_id]
+        measured = float(mm.run_trial(trial["set"])["peak_memory_gib"])
+        rows.append((trial, est, measured))
+        drift.append((trial_id, measured / trial["peak_memory_gib"] - 1))
+    _print(rows)
+    print("against the table: " + ", ".join(f"{i} {d:+.1%}" for i, d in drift))
+    assert all(abs(d) <= REPRODUCE for _, d in drift), drift
+    assert all(abs(est.total_gib / m - 1) <= BOUND for _, est, m in rows)
