@@ -13,10 +13,12 @@ venv: $(STAMP)
 # (deepspeed_shm_comm), which DeepSpeed JIT-compiles the first time a process group starts on CPU,
 # once per install (its build is keyed to the venv's path): 26 s on a 2-core AMD EPYC. Built here, so it
 # lands neither in the demo's quick calibration nor in a trial.
-$(STAMP): pyproject.toml
+# The project with the exact versions a cluster node gets (cluster/constraints.txt, written by
+# cluster/pin.py), so the tests run the code the nodes run.
+$(STAMP): pyproject.toml cluster/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test]" -c cluster/constraints.txt
 	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
 	  || echo "DeepSpeed's CPU comm op did not build now; DeepSpeed tries again in the first CPU process group"
 	touch $(STAMP)

@@ -100,11 +100,13 @@ def calibrate(
         except nodes.TooFewNodes as e:
             fail(SpecError("--across-nodes", across_nodes, str(e)))
     try:
-        profile = base if network_only else run_calibration(base, quick=quick, precisions=precision)
+        profile = base if network_only else _run(run_calibration, local, base, quick, precision,
+                                                 results_root)
     except (NotImplementedError, NoCudaDevice) as e:
         fail(SpecError("--hardware", hardware, str(e)))
     if across_nodes:
-        profile = nodes.calibrate_across_nodes(profile, across_nodes, quick=quick)
+        profile = nodes.calibrate_across_nodes(profile, across_nodes, quick=quick,
+                                               results_root=results_root)
         say(nodes.summary(profile))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     catalog.write_profile(profile, out_path)
@@ -114,6 +116,13 @@ def calibrate(
         return
     print_table(_profile_rows(profile), ["figure", "value"], title=f"calibrated {hardware}")
     say(f"wrote {out_path} in {time.time() - t0:.0f} s; use it with --set hardware={out_path}")
+
+
+def _run(run_calibration, local: bool, base, quick: bool, precision, results_root: str):
+    """The device calibration; through Ray, its Ray Train storage under the results root."""
+    if local:  # no Ray, so no storage path
+        return run_calibration(base, quick=quick, precisions=precision)
+    return run_calibration(base, quick=quick, precisions=precision, results_root=results_root)
 
 
 def fit(

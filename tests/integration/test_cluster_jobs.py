@@ -125,7 +125,7 @@ micro_batch: 1
 global_batch: 2
 elastic: {{min_workers: 1, max_workers: 2, resize_check_s: 1}}
 steps: {{warmup: 2, measure: 1500, profile: 0}}
-fault_tolerance: {{checkpoint_every: 10}}
+fault_tolerance: {{max_failures: 1, checkpoint_every: 10}}
 tracking: {{mlflow_uri: "sqlite:///{db}"}}
 """)
     results = tmp_path / "results"

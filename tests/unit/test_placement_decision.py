@@ -29,7 +29,7 @@ def test_placement_fits_one_node_is_strict_pack():
 def test_placement_larger_trials_take_whole_nodes():
     whole, partial = _trials(hardware="a100-80gb", world_size=[16, 12])
     assert whole.feasible and placement_for(whole.config).placement_strategy == "PACK"
-    assert placement_for(whole.config).accelerator_type == "A100"
+    assert placement_for(whole.config).accelerator_type == "A100-80G"
     assert not partial.feasible
     assert partial.reason == ("world_size 12 spans nodes but is not a multiple of the 8 devices "
                               "per node of a100-80gb: a trial larger than one node takes whole nodes")
@@ -57,12 +57,14 @@ def test_placement_cpu_profile_reserves_cores():
 
 def test_placement_elastic_packs_loosely_to_grow_onto_new_nodes():
     (planned,) = _trials(hardware="cpu-local", world_size=2, global_batch=4,
-                         elastic={"min_workers": 1, "max_workers": 2})
+                         elastic={"min_workers": 1, "max_workers": 2},
+                         fault_tolerance={"max_failures": 1})
     p = placement_for(planned.config)
     assert p.num_workers == (1, 2) and p.placement_strategy == "PACK"
     assert p.scaling_kwargs()["elastic_resize_monitor_interval_s"] == 60.0
     (wide,) = _trials(hardware="cpu-local", world_size=3, global_batch=6,
-                      elastic={"min_workers": 2, "max_workers": 3})
+                      elastic={"min_workers": 2, "max_workers": 3},
+                      fault_tolerance={"max_failures": 1})
     assert wide.feasible, wide.reason  # an elastic world need not fill nodes; its TP groups are checked at start
     assert placement_for(wide.config).placement_strategy == "PACK"
 

@@ -215,10 +215,11 @@ def test_elastic_trials_must_keep_the_global_batch_at_every_size():
 
     base = {"name": "el", "model": "llama2-tiny", "hardware": "cpu-local", "world_size": 4,
             "micro_batch": 1, "global_batch": 12}
-    ok = expand(validate_spec({**base, "elastic": {"min_workers": 2, "max_workers": 4}}))[0]
+    ft = {"fault_tolerance": {"max_failures": 1}}  # an elastic trial shrinks by a restart
+    ok = expand(validate_spec({**base, **ft, "elastic": {"min_workers": 2, "max_workers": 4}}))[0]
     accum = {w: ok.config.layout.resized(w).grad_accum for w in (2, 3)}
     assert ok.feasible and accum == {2: 6, 3: 4}
-    bad = expand(validate_spec({**base, "global_batch": 8,
+    bad = expand(validate_spec({**base, **ft, "global_batch": 8,
                                 "elastic": {"min_workers": 2, "max_workers": 4}}))[0]
     assert not bad.feasible and "elastic world size 3" in bad.reason
     with pytest.raises(SpecError, match="min_workers"):

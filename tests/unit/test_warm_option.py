@@ -57,4 +57,4 @@ def test_warm_group_asks_what_a_cold_trial_asks():
                          resources_per_worker=placement.resources_per_worker,
                          accelerator_type=placement.accelerator_type)._resources_per_worker_not_none
     assert resources_per_worker(cfg) == cold
-    assert f"{RESOURCE_CONSTRAINT_PREFIX}A100" in cold
+    assert f"{RESOURCE_CONSTRAINT_PREFIX}A100-80G" in cold

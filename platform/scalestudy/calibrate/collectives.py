@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from scalestudy import metrics as M
 from scalestudy.metrics import CALIBRATED_COLLECTIVES, busbw_factor
 
 def _collective(op: str, size: int, world: int):
@@ -14,10 +15,10 @@ def _collective(op: str, size: int, world: int):
     import torch
 
     n = max(1, size // 4)
-    if op == "all_reduce":
+    if op == M.ALL_REDUCE:
         t = torch.ones(n)
         return lambda: dc.all_reduce(t)
-    if op == "all_gather":
+    if op == M.ALL_GATHER:
         shard = torch.ones(max(1, n // world))
         full = torch.empty(shard.numel() * world)
         return lambda: dc.all_gather_into_tensor(full, shard)

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from scalestudy import metrics as M
 from scalestudy.metrics import CALIBRATED_COLLECTIVES, busbw_factor
 from scalestudy.spec.catalog import HardwareProfile, get_hardware
 
@@ -124,9 +125,9 @@ def comm_curves_cuda(world: int, sizes: list[int]) -> dict[str, list[list[float]
             n = max(world, size // 2) // world * world  # bf16 elements, divisible by the world
             full = torch.ones(n, device="cuda", dtype=torch.bfloat16)
             shard = torch.empty(n // world, device="cuda", dtype=torch.bfloat16)
-            fn = {"all_reduce": lambda: dist.all_reduce(full),
-                  "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
-                  "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full)}[op]
+            fn = {M.ALL_REDUCE: lambda: dist.all_reduce(full),
+                  M.ALL_GATHER: lambda: dist.all_gather_into_tensor(full, shard),
+                  M.REDUCE_SCATTER: lambda: dist.reduce_scatter_tensor(shard, full)}[op]
             dist.barrier()
             t = torch.tensor([cuda_time_s(fn, iters=10)], device="cuda")
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank closes the collective
@@ -216,7 +217,7 @@ def profile_from(base: HardwareProfile, alone: dict[str, Any], shared: dict[str,
     if shared:
         for op, curve in shared["comm"].items():
             cal[f"busbw_gbps_{op}"] = curve
-        data["nvlink_gbps_per_gpu"] = max(c[1] for c in shared["comm"]["all_reduce"])
+        data["nvlink_gbps_per_gpu"] = max(c[1] for c in shared["comm"][M.ALL_REDUCE])
         cal["calibration_world_size"] = float(world)
     # The profile describes this platform's trials, whose TP is DeepSpeed AutoTP's (params.py).
     cal["tp_all_reduce_per_linear"] = 1.0

@@ -17,6 +17,7 @@ from scalestudy.measure.throughput import throughput_metrics
 from scalestudy.metrics import Status, TrialResult
 from scalestudy.spec.trial import TrialConfig
 from scalestudy.train import segments
+from scalestudy.train.pipeline_summary import result_fields as pipeline_fields
 from scalestudy.train.summary import MemoryPeaks, TrialSummary
 
 NO_PROFILED_WINDOW = "no profiled window (steps.profile = 0 or instrumentation off)"
@@ -31,7 +32,10 @@ def failure_reason(err: BaseException) -> str:
     root = str(cause) or type(cause).__name__
     lines = [ln.strip() for ln in root.splitlines() if ln.strip()]
     first = lines[-1] if "Traceback" in root and lines else (lines[0] if lines else type(cause).__name__)
-    if any(s in text for s in ("OutOfMemoryError", "CUDA out of memory", "out of memory")):
+    # torch's CPU allocator says "can't allocate memory"; the OS's ENOMEM "Cannot allocate memory"
+    oom_words = ("OutOfMemoryError", "CUDA out of memory", "out of memory", "can't allocate memory",
+                 "Cannot allocate memory")
+    if any(s in text for s in oom_words):
         return f"oom: {first}"
     return first
 
@@ -118,6 +122,9 @@ def summarize(cfg: TrialConfig, s: TrialSummary, t0: float) -> TrialResult:
                       _memory_fields(s.memory)):
         fields.update(part)
         missing.update(why)
+    pipeline, why = pipeline_fields(s.pipeline, fields.get("comm"))  # pp > 1 only
+    fields.update(pipeline)
+    missing.update(why)
     first = s.first_measured_step_wall
     return TrialResult.from_config(
         cfg, Status.completed, **fields, missing=missing,
