@@ -43,7 +43,6 @@ SOURCE_HATCH = {MEASURED: None, PREDICTED: "//"}
 SOURCE_COLOUR = {MEASURED: PALETTE[0], PREDICTED: PALETTE[1]}
 CHOSEN_ATTR = "chosen_profiles"  # df.attrs: {hardware: profiles.ChosenProfile}
 METER_DEVICE = {"nvml": "GPU", "rapl": "CPU package"}  # energy_source -> what it measures
-KIND_DEVICE = {"gpu": "GPU", "cpu": "CPU"}
 
 
 class FigureSkipped(ValueError):
@@ -200,22 +199,30 @@ def readable_log(ax: Axes, axis: str, values: Iterable[float]) -> None:
     target.set_minor_formatter(NullFormatter())  # matplotlib labels minor ticks on short ranges
 
 
-def hardware_kind(name: str, df: pd.DataFrame | None = None) -> str | None:
-    """'gpu' or 'cpu' for a catalogue hardware name (or a profile the report chose), else None."""
+def hardware_profile(name: str, df: pd.DataFrame | None = None):
+    """The profile of a hardware name: the one the report chose for it, else the catalogue's, else
+    None (a profile file the report did not see)."""
     from scalestudy.spec.catalog import get_hardware
 
     chosen = (df.attrs.get(CHOSEN_ATTR) or {}) if df is not None else {}
     profile = getattr(chosen.get(name), "profile", None)
     if profile is not None:
-        return profile.kind
+        return profile
     try:
-        return get_hardware(str(name)).kind
+        return get_hardware(str(name))
     except KeyError:
         return None
 
 
+def device_word(name: str, df: pd.DataFrame | None = None) -> str:
+    """What one device of this hardware is called in a title: GPU, CPU, or device when unknown."""
+    profile = hardware_profile(name, df)
+    return "device" if profile is None else ("GPU" if profile.is_gpu else "CPU")
+
+
 def cpu_hardware(df: pd.DataFrame) -> list[str]:
-    return sorted(str(h) for h in set(df["hardware"].dropna()) if hardware_kind(h, df) == "cpu")
+    return sorted(str(h) for h in set(df["hardware"].dropna())
+                  if (p := hardware_profile(h, df)) is not None and not p.is_gpu)
 
 
 def power_frame(df: pd.DataFrame) -> tuple[pd.DataFrame, list[tuple[str, str, str]]]:
@@ -225,10 +232,10 @@ def power_frame(df: pd.DataFrame) -> tuple[pd.DataFrame, list[tuple[str, str, st
     left."""
     cpus = cpu_hardware(df)
     data = df
-    if cpus and "total_power_w_estimated" in df:
+    if cpus and M.TOTAL_POWER_W_ESTIMATED in df:
         data = df.copy()
         rows = data["hardware"].isin(cpus)
-        data.loc[rows, ["total_power_w_estimated", M.POWER_W_ESTIMATED,
+        data.loc[rows, [M.TOTAL_POWER_W_ESTIMATED, M.POWER_W_ESTIMATED,
                         M.TOKENS_PER_J_ESTIMATED]] = np.nan
     try:
         return data, power_columns(data)
@@ -243,11 +250,11 @@ def power_frame(df: pd.DataFrame) -> tuple[pd.DataFrame, list[tuple[str, str, st
 def power_device(data: pd.DataFrame, power: str) -> str:
     """What the plotted power is the power of: GPU boards (NVML, or the GPU power model), CPU
     packages (RAPL), else the hardware's kind; "device" when the rows disagree."""
-    if power == "total_power_w_estimated":
+    if power == M.TOTAL_POWER_W_ESTIMATED:
         return "GPU"
     rows = data.dropna(subset=[power])
     sources = rows["energy_source"] if "energy_source" in rows else pd.Series("", index=rows.index)
-    words = {METER_DEVICE.get(str(src)) or KIND_DEVICE.get(hardware_kind(hw, data) or "", "device")
+    words = {METER_DEVICE.get(str(src)) or device_word(hw, data)
              for src, hw in zip(sources, rows["hardware"])}
     return words.pop() if len(words) == 1 else "device"
 
@@ -257,7 +264,7 @@ def power_columns(df: pd.DataFrame) -> list[tuple[str, str, str]]:
     those with data only: the two are never mixed into one number."""
     out = []
     for power, tpj, suffix in (("total_power_w", M.TOKENS_PER_J, ""),
-                               ("total_power_w_estimated", M.TOKENS_PER_J_ESTIMATED,
+                               (M.TOTAL_POWER_W_ESTIMATED, M.TOKENS_PER_J_ESTIMATED,
                                 ", modelled (not validated)")):
         if power in df and completed(df)[power].notna().any():
             out.append((power, tpj, suffix))

@@ -283,7 +283,7 @@ def pareto_frontier(df: pd.DataFrame) -> Figure:
     counts = ", ".join(f"{int((data['source'] == s).sum())} of {int((done['source'] == s).sum())}"
                        f" {s}" for s in sorted(set(done["source"])))
     words = {power_device(rows, "total_power_w" if kind == "measured" else
-                          "total_power_w_estimated") for kind, rows in data.groupby("power_kind")}
+                          M.TOTAL_POWER_W_ESTIMATED) for kind, rows in data.groupby("power_kind")}
     device = words.pop() if len(words) == 1 else "device"
     readable_log(ax, "x", data["power"] / div)
     readable_log(ax, "y", data[M.TOKENS_PER_S])

@@ -14,7 +14,7 @@ from scalestudy import metrics as M
 from scalestudy_analysis.load import completed
 
 TPS = M.TOKENS_PER_S_PER_DEVICE
-EXPOSED = "comm_exposed_fraction"
+EXPOSED = M.COMM_EXPOSED_FRACTION
 
 
 def _pct(x: float) -> str:
@@ -34,7 +34,7 @@ def _fsdp(df: pd.DataFrame) -> dict[str, str]:
         "fsdp_tps0": _num(first[TPS]), "fsdp_tps1": _num(last[TPS]),
         "fsdp_drop": _pct(1 - last[TPS] / first[TPS]),
         "fsdp_exp0": _pct(first[EXPOSED]), "fsdp_exp1": _pct(last[EXPOSED]),
-        "fsdp_mfu0": _pct(first["mfu"]), "fsdp_mfu1": _pct(last["mfu"]),
+        "fsdp_mfu0": _pct(first[M.MFU]), "fsdp_mfu1": _pct(last[M.MFU]),
         "fsdp_half_at": f"{half.iloc[0]['world_size']:,}" if len(half) else "never",
         "fsdp_ga_half": f"{int(half.iloc[0]['grad_accum'])}" if len(half) else "-",
     }
@@ -73,8 +73,8 @@ def _generations(df: pd.DataFrame) -> dict[str, str]:
         at = mine.set_index("world_size")
         out.update({f"gen_{key}_exp0": _pct(at.loc[small, EXPOSED]),
                     f"gen_{key}_exp1": _pct(at.loc[big, EXPOSED]),
-                    f"gen_{key}_mfu0": _pct(at.loc[small, "mfu"]),
-                    f"gen_{key}_mfu1": _pct(at.loc[big, "mfu"])})
+                    f"gen_{key}_mfu0": _pct(at.loc[small, M.MFU]),
+                    f"gen_{key}_mfu1": _pct(at.loc[big, M.MFU])})
     return out
 
 
@@ -94,7 +94,7 @@ def _model_size(df: pd.DataFrame) -> dict[str, str]:
     out = {}
     for i, (_, r) in enumerate(rows.iterrows()):
         out.update({f"size_{i}_model": r["model"], f"size_{i}_exp": _pct(r[EXPOSED]),
-                    f"size_{i}_mfu": _pct(r["mfu"])})
+                    f"size_{i}_mfu": _pct(r[M.MFU])})
     return out
 
 
@@ -103,9 +103,9 @@ def _workload(df: pd.DataFrame) -> dict[str, str]:
     mb0, mb1 = rows.index.get_level_values(0).min(), rows.index.get_level_values(0).max()
     s0, s1 = rows.index.get_level_values(1).min(), rows.index.get_level_values(1).max()
     return {"wl_mb0": str(mb0), "wl_mb1": str(mb1), "wl_s0": f"{s0:,}", "wl_s1": f"{s1:,}",
-            "wl_mfu_mb0": _pct(rows.loc[(mb0, s0), "mfu"]),
-            "wl_mfu_mb1": _pct(rows.loc[(mb1, s0), "mfu"]),
-            "wl_mfu_s1": _pct(rows.loc[(mb0, s1), "mfu"]),
+            "wl_mfu_mb0": _pct(rows.loc[(mb0, s0), M.MFU]),
+            "wl_mfu_mb1": _pct(rows.loc[(mb1, s0), M.MFU]),
+            "wl_mfu_s1": _pct(rows.loc[(mb0, s1), M.MFU]),
             "wl_exp_mb0": _pct(rows.loc[(mb0, s0), EXPOSED]),
             "wl_exp_mb1": _pct(rows.loc[(mb1, s0), EXPOSED])}
 
@@ -117,7 +117,7 @@ def _power(df: pd.DataFrame) -> dict[str, str]:
         a, b = mine.iloc[0], mine.iloc[-1]
         out.update({
             "pw_w0": f"{a['world_size']:,}", "pw_w1": f"{b['world_size']:,}",
-            f"pw_{key}_power": f"{b['total_power_w_estimated'] / a['total_power_w_estimated']:.3g}x",
+            f"pw_{key}_power": f"{b[M.TOTAL_POWER_W_ESTIMATED] / a[M.TOTAL_POWER_W_ESTIMATED]:.3g}x",
             f"pw_{key}_tput": f"{b[M.TOKENS_PER_S] / a[M.TOKENS_PER_S]:.3g}x",
             f"pw_{key}_tpj0": f"{a[M.TOKENS_PER_J_ESTIMATED]:.3g}",
             f"pw_{key}_tpj1": f"{b[M.TOKENS_PER_J_ESTIMATED]:.3g}",

@@ -39,9 +39,9 @@ CPU_MODELLED_ENERGY_NOTE = (
 
 def modelled_energy_notes(df: pd.DataFrame) -> list[str]:
     """What the modelled energy columns mean, for GPU and for CPU hardware apart."""
-    if "power_w_estimated" not in df:
+    if M.POWER_W_ESTIMATED not in df:
         return []
-    rows = df[df["power_w_estimated"].notna()]
+    rows = df[df[M.POWER_W_ESTIMATED].notna()]
     cpus = cpu_hardware(rows)
     out = [MODELLED_ENERGY_NOTE] if (~rows["hardware"].isin(cpus)).any() else []
     if cpus:

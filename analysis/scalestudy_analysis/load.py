@@ -101,11 +101,11 @@ def tidy(df: pd.DataFrame) -> pd.DataFrame:
     df["status"] = df["status"].map(lambda s: getattr(s, "value", s)).astype(str)
     df["source"] = df["backend"].map(lambda b: SOURCE_OF_BACKEND.get(str(b), str(b)))
     df["total_power_w"] = df[M.POWER_W] * df["world_size"]
-    df["total_power_w_estimated"] = df[M.POWER_W_ESTIMATED] * df["world_size"]
+    df[M.TOTAL_POWER_W_ESTIMATED] = df[M.POWER_W_ESTIMATED] * df["world_size"]
     # The model's own total (GPU-only, as power_w_estimated) where the result carries it.
-    model_total = pd.to_numeric(pd.Series([e.get("total_power_w_estimated") for e in df["extra"]],
+    model_total = pd.to_numeric(pd.Series([e.get(M.TOTAL_POWER_W_ESTIMATED) for e in df["extra"]],
                                           index=df.index, dtype=object), errors="coerce")
-    df["total_power_w_estimated"] = model_total.fillna(df["total_power_w_estimated"])
+    df[M.TOTAL_POWER_W_ESTIMATED] = model_total.fillna(df[M.TOTAL_POWER_W_ESTIMATED])
     return df
 
 

@@ -60,6 +60,8 @@ TOKENS_PER_J = "tokens_per_j"
 # separate estimate per device, in a result's `extra` under NODE_OVERHEAD_POWER_W_ESTIMATED.
 POWER_W_ESTIMATED = "power_w_estimated"
 NODE_OVERHEAD_POWER_W_ESTIMATED = "node_overhead_power_w_estimated"
+# The GPUs of the whole trial together (a result's `extra`): power_w_estimated x world_size.
+TOTAL_POWER_W_ESTIMATED = "total_power_w_estimated"
 ENERGY_J_ESTIMATED = "energy_j_estimated"
 ENERGY_PER_TOKEN_J_ESTIMATED = "energy_per_token_j_estimated"
 TOKENS_PER_J_ESTIMATED = "tokens_per_j_estimated"

@@ -22,17 +22,6 @@ REPO = Path(__file__).parents[2]
 ROOTS = (REPO / "platform" / "scalestudy", REPO / "analysis" / "scalestudy_analysis")
 CATALOG = "platform/scalestudy/spec/catalog.py"  # where HardwareProfile.is_gpu itself tests kind
 DEVICE_KINDS = frozenset({"gpu", "cpu"})
-# Files of others that still test kind strings (issue 30, item 3): the lead moves them onto
-# HardwareProfile, then empties this and removes test_no_kind_test_pending's mark.
-PENDING = frozenset({
-    "analysis/scalestudy_analysis/base.py",
-    "platform/scalestudy/calibrate/run.py",
-    "platform/scalestudy/measure/utilization.py",
-    "platform/scalestudy/parallel/deepspeed_config.py",
-    "platform/scalestudy/spec/precision.py",
-})
-
-
 def _named_kind(node: ast.AST) -> bool:
     """`x.kind`, `kind`, `hardware_kind(...)`, `self.kind`: an expression named like a kind."""
     if isinstance(node, ast.Call):
@@ -110,12 +99,5 @@ def test_checker_leaves_other_comparisons_alone(clean):
 
 
 def test_no_kind_test_outside_the_hardware_profile():
-    hits = [hit for rel, hit in scan() if rel not in PENDING]
-    assert not hits, "device-kind string tests outside spec/catalog.py:\n" + "\n".join(hits)
-
-
-@pytest.mark.xfail(strict=False, reason="issue 30 item 3: kind tests remain in others' files "
-                   "(PENDING above); the lead moves them onto HardwareProfile, then drops this mark")
-def test_no_kind_test_pending():
-    hits = [hit for rel, hit in scan() if rel in PENDING]
+    hits = [hit for _, hit in scan()]
     assert not hits, "device-kind string tests outside spec/catalog.py:\n" + "\n".join(hits)

@@ -142,7 +142,7 @@ def test_one_meter_per_node_and_unknown_uuid_is_an_error():
     other = NodeDevices("n", 1, [0, 1], TRIAL)
     assert isinstance(node_energy_meter(True, owner, nvml=EightGpuNvml()), NvmlMeter)
     assert isinstance(node_energy_meter(True, other, nvml=EightGpuNvml()), NoMeter)
-    assert isinstance(node_utilization("gpu", other, nvml=EightGpuNvml()), NoUtilization)
+    assert isinstance(node_utilization(True, other, nvml=EightGpuNvml()), NoUtilization)
     missing = NodeDevices("n", 0, [0], ["GPU-ffffffff-0000-0000-0000-000000000000"])
     meter = node_energy_meter(True, missing, nvml=EightGpuNvml())
     assert isinstance(meter, NoMeter) and "no device with UUID" in meter.reason

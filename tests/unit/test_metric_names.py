@@ -36,13 +36,7 @@ FOREIGN = {
 # Files of others that still spell metric names (issue 30, item 4): the lead moves them onto
 # metrics.py's constants, then empties this and removes test_no_metric_name_literal_pending's mark.
 PENDING = frozenset({
-    "analysis/scalestudy_analysis/findings.py",
-    "analysis/scalestudy_analysis/html.py",
-    "platform/scalestudy/calibrate/across_nodes.py",
-    "platform/scalestudy/calibrate/collectives.py",
-    "platform/scalestudy/calibrate/gpu.py",
     "platform/scalestudy/calibrate/gpucheck.py",
-    "platform/scalestudy/calibrate/run.py",
 })
 
 

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from scalestudy import metrics as M
 from scalestudy.metrics import CALIBRATED_COLLECTIVES
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.launch.placement import profile_device_resource, profile_resources
@@ -116,7 +117,7 @@ def with_network(hw: HardwareProfile, measured: dict[str, Any]) -> HardwareProfi
     cal = dict(data.get("calibration") or {})
     for op in CALIBRATED_COLLECTIVES:
         cal[f"across_nodes_busbw_gbps_{op}"] = measured["comm"][op]
-    data["network_gbps_per_gpu"] = max(gbps for _, gbps in measured["comm"]["all_reduce"])
+    data["network_gbps_per_gpu"] = max(gbps for _, gbps in measured["comm"][M.ALL_REDUCE])
     cal["network_efficiency"] = 1.0
     cal["calibration_nodes"] = float(measured["world_size"])
     data["calibration"] = cal

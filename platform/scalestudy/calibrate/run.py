@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from scalestudy import metrics as M
 from scalestudy.calibrate import reference_step
 from scalestudy.calibrate.collectives import comm_curves
 from scalestudy.calibrate.kernels import (attention_rows, cross_entropy_rows, engine_costs,
@@ -261,7 +262,7 @@ def build_profile(base: HardwareProfile, alone: dict, shared: dict | None,
     if shared:
         for op, curve in shared["comm"].items():
             cal[f"busbw_gbps_{op}"] = curve
-        data["nvlink_gbps_per_gpu"] = max(c[1] for c in shared["comm"]["all_reduce"])
+        data["nvlink_gbps_per_gpu"] = max(c[1] for c in shared["comm"][M.ALL_REDUCE])
         cal["calibration_world_size"] = float(shared["world_size"])
     # The measured reference steps themselves: what the two factors below reproduce (the in-sample
     # rows of tests/validation/test_measured_cpu.py).
@@ -291,7 +292,7 @@ def calibrate(base: HardwareProfile, quick: bool = False, precisions: list[str] 
     GPU profile is calibrated on this machine's GPUs instead, one process per GPU and no Ray
     (calibrate/gpu.py; one node: the catalogue's network figure stays). Ray Train's runs are kept
     under `results_root` (calibration_storage)."""
-    if base.kind == "gpu":
+    if base.is_gpu:
         from scalestudy.calibrate.gpu import calibrate_local_gpus
 
         return calibrate_local_gpus(base, quick=quick)

@@ -50,11 +50,6 @@ class MeterResult:
     devices_utilization: int = 0  # devices (GPU) or processes (CPU) in the mean
 
 
-def _utilization_kind(gpu: bool) -> str:
-    # measure/utilization.py still takes the device kind as a string: the one place it is spelt.
-    return "gpu" if gpu else "cpu"
-
-
 class TrialMeters(Pausable):
     """See the module docstring. ``gpu`` is HardwareProfile.is_gpu (NVML meters, GPU utilization;
     else RAPL and the processes' CPU use); ``energy=False`` leaves energy unmeasured (NaN, reason
@@ -66,7 +61,7 @@ class TrialMeters(Pausable):
         self.node = node
         self.energy = (node_energy_meter(gpu, node, nvml=nvml, powercap_root=powercap_root) if energy
                        else NoMeter(reason_off))
-        self.utilization = node_utilization(_utilization_kind(gpu), node, nvml=nvml)
+        self.utilization = node_utilization(gpu, node, nvml=nvml)
         self._energy_reading: EnergyReading | None = None
         self._util: dict[str, float] = {}
 

@@ -17,10 +17,10 @@ Both: ``start()`` then ``stop() -> dict[str, float]`` (``{"cpu": fraction}`` or
 ``{uuid: percent, ...}``), and ``pause()`` / ``resume()`` or ``with u.excluded():`` to leave work that is
 not a measured step (a checkpoint save) out of the figure, like the energy meter.
 
-Which devices: ``node_utilization(kind, node)`` gives the node's meter owner one NVML sampler over the
+Which devices: ``node_utilization(gpu, node)`` gives the node's meter owner one NVML sampler over the
 trial's GPUs on that node (by UUID, see ``measure.devices``) and the other ranks ``NoUtilization``; on
 CPU every rank measures its own process (``CpuUtilization`` costs two getrusage calls, no thread).
-``make_utilization(kind, nvml=None)`` is the older entry point (every GPU of the machine).
+``make_utilization(gpu, nvml=None)`` is the older entry point (every GPU of the machine).
 """
 
 from __future__ import annotations
@@ -185,26 +185,22 @@ class NvmlUtilization(Pausable):
         return {n: sum(s) / len(s) if s else NAN for n, s in self._samples.items()}
 
 
-def make_utilization(kind: str, nvml: Any = None, device_uuids: list[str] | None = None):
-    """"gpu" -> NvmlUtilization (CpuUtilization if NVML is unavailable), "cpu" -> CpuUtilization."""
-    if kind == "gpu":
+def make_utilization(gpu: bool, nvml: Any = None, device_uuids: list[str] | None = None):
+    """On a GPU profile NvmlUtilization (CpuUtilization if NVML is unavailable), else CpuUtilization."""
+    if gpu:
         try:
             return NvmlUtilization(nvml, device_uuids=device_uuids)
         except Exception:  # noqa: BLE001  no NVML: report the process's CPU use rather than nothing
             return CpuUtilization()
-    if kind == "cpu":
-        return CpuUtilization()
-    raise ValueError(f"unknown utilization kind {kind!r}; use gpu or cpu")
+    return CpuUtilization()
 
 
-def node_utilization(kind: str, node: NodeDevices, nvml: Any = None):
+def node_utilization(gpu: bool, node: NodeDevices, nvml: Any = None):
     """This rank's sampler (see the module docstring). On GPU without NVML (or without a CUDA device
     on the node's ranks) the owner gets a NoUtilization whose reason says why: the figure is then NaN,
     not the CPU use of one process standing in for a GPU figure."""
-    if kind == "cpu":
+    if not gpu:
         return CpuUtilization()
-    if kind != "gpu":
-        raise ValueError(f"unknown utilization kind {kind!r}; use gpu or cpu")
     if not node.is_owner:
         return NoUtilization(f"rank {node.rank} is not its node's sampler (rank {node.owner_rank} is)")
     if not node.uuids:

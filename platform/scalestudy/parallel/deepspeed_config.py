@@ -53,7 +53,7 @@ STAGE3_PARAM_PERSISTENCE_THRESHOLD = 100_000
 
 
 def _on_gpu(cfg: TrialConfig) -> bool:
-    return cfg.hardware_profile.kind == "gpu"
+    return cfg.hardware_profile.is_gpu
 
 
 def optimizer_config(cfg: TrialConfig) -> dict[str, Any]:

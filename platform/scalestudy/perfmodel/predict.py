@@ -126,7 +126,7 @@ def predict(cfg: TrialConfig, hardware: HardwareProfile | None = None,
         missing=_NOT_MODELLED,  # validation copies it
         extra={"energy_window_steps": cfg.steps.measure,
                # GPU-only, like power_w_estimated; the node's other power is named apart.
-               "total_power_w_estimated": pw.total_power_w,
+               M.TOTAL_POWER_W_ESTIMATED: pw.total_power_w,
                M.NODE_OVERHEAD_POWER_W_ESTIMATED: pw.node_overhead_w_per_device,
                "memory_gib": dict(mem.terms_gib)},
     )

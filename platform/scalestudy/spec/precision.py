@@ -65,6 +65,6 @@ def resolve_precision(choice: PrecisionChoice | Precision | str, hw: HardwarePro
     value = choice.value if isinstance(choice, Enum) else str(choice)
     if value != PrecisionChoice.auto.value:
         return Precision(value)
-    if hw.kind == "gpu" or cpu_has_native_bf16():
+    if hw.is_gpu or cpu_has_native_bf16():
         return Precision.bf16
     return Precision.fp32
