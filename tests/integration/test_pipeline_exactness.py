@@ -49,8 +49,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_layout(name: str, cfg, rank: int) -> list[float] | None:
-    """The losses of STEPS steps of ``cfg`` on this rank's process group (rank 0 returns them)."""
+def run_layout(name: str, cfg, rank: int) -> dict:
+    """The losses of STEPS steps of ``cfg`` on this rank's process group (and, for a pipeline,
+    the activations each stage held at most, its p2p operations and bytes per step)."""
     import torch
 
     device = torch.device("cpu")
@@ -61,12 +62,14 @@ def run_layout(name: str, cfg, rank: int) -> list[float] | None:
 
         deepspeed.init_distributed(dist_backend="gloo")
         trial = build(cfg, device)
-        losses = [trial.step(s).item() for s in range(STEPS)]
-        return losses
+        return {"losses": [trial.step(s).item() for s in range(STEPS)]}
     from scalestudy.train.schedules import PipelineTrainer, mean_losses, process_groups
 
     trainer = PipelineTrainer(cfg, cfg.layout, device, process_groups(cfg.layout, "cpu"))
-    return mean_losses([trainer.step(s) for s in range(STEPS)], cfg.layout, device)
+    losses = mean_losses([trainer.step(s) for s in range(STEPS)], cfg.layout, device)
+    reading = trainer.reading(range(STEPS))
+    return {"losses": losses, "held": [s.activation_peak_gib * 2**30 for s in reading.stages],
+            "p2p_ops": reading.p2p_ops, "p2p_bytes": reading.p2p_bytes}
 
 
 def _rank_main(rank: int, jobs: list[tuple[str, dict, int]], folder: str) -> None:
@@ -83,21 +86,26 @@ def _rank_main(rank: int, jobs: list[tuple[str, dict, int]], folder: str) -> Non
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # as torchrun sets them
         dist.init_process_group("gloo")
         try:
-            losses = run_layout(name, cfg, rank)
+            result = run_layout(name, cfg, rank)
         finally:
             dist.destroy_process_group()
         if rank == 0:
-            Path(folder, f"{name}.json").write_text(json.dumps(losses))
+            Path(folder, f"{name}.json").write_text(json.dumps(result))
 
 
 @pytest.fixture(scope="module")
-def losses(tmp_path_factory) -> dict[str, list[float]]:
+def runs(tmp_path_factory) -> dict[str, dict]:
     import torch.multiprocessing as mp
 
     folder = tmp_path_factory.mktemp("pp-exact")
     jobs = [(name, layout, _free_port()) for name, layout in LAYOUTS.items()]
     mp.start_processes(_rank_main, args=(jobs, str(folder)), nprocs=4, start_method="spawn")
     return {name: json.loads((folder / f"{name}.json").read_text()) for name in LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def losses(runs) -> dict[str, list[float]]:
+    return {name: run["losses"] for name, run in runs.items()}
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
@@ -114,3 +122,22 @@ def test_world4_compositions_match_world1(losses, name):
     ref, got = losses["pp1"], losses[name]
     print(f"\n{name}: {got}\npp1: {ref}")
     assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-4, (got, ref)
+
+
+def test_the_schedule_decides_what_each_stage_holds(runs):
+    """1F1B: the first stage holds the activations of up to pp micro-batches, the last one of one;
+    GPipe: every stage all m = 8 (exact counts of saved tensors: no timing). Two blocks a stage;
+    the last stage's loss adds its logits' share."""
+    gpipe, one_f_one_b = runs["gpipe"]["held"], runs["1f1b"]["held"]
+    print(f"\nactivations held at most (bytes): gpipe {gpipe}, 1f1b {one_f_one_b}")
+    assert one_f_one_b[0] >= one_f_one_b[1]
+    assert gpipe[0] == 4 * one_f_one_b[0]  # 8 micro-batches against 2, the same blocks
+    assert gpipe[1] > 4 * one_f_one_b[1]
+
+
+def test_p2p_traffic_per_step(runs):
+    """pp 2, 8 micro-batches: each rank sends 8 and receives 8 tensors of 32 x 64 fp32 (8 KiB) a
+    step, as the performance model counts them (parallelism.p2p_ops_per_rank)."""
+    for name in ("gpipe", "1f1b"):
+        assert runs[name]["p2p_ops"] == 16 and runs[name]["p2p_bytes"] == 16 * 32 * 64 * 4
+    assert runs["interleaved"]["p2p_ops"] == 4 * 8 * 3 / 2  # 3 boundaries between 4 chunks

@@ -62,7 +62,7 @@ def test_interleaving_divides_the_expected_bubble():
 def test_zero1_owners_balance_the_elements():
     import torch
 
-    from scalestudy.train.schedules import _owners
+    from scalestudy.train.stage_replicas import _owners
 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 10, 60, 50, 5)]
     owners = _owners(params, 2)

@@ -22,9 +22,11 @@ from tests.conftest import QUICKSTART
 # The ledger's config columns before the schema was derived, plus the requested precision.
 LEDGER_CONFIG_COLUMNS = [
     "study", "trial_id", "backend", "model", "hardware", "world_size", "nodes", "dp", "tp", "pp",
+    "schedule", "virtual_stages", "first_stage_fewer_layers", "last_stage_fewer_layers",
     "zero_stage", "micro_batch", "grad_accum", "global_batch", "seq_len", "precision",
-    "precision_requested", "activation_checkpointing", "seed", "learning_rate", "trial_timeout_s",
-    "steps_warmup", "steps_measure", "steps_profile",
+    "precision_requested", "activation_checkpointing", "recompute_granularity",
+    "sequence_parallel", "cp", "gather_granularity", "tp_comm_overlap", "fp8", "seed",
+    "learning_rate", "trial_timeout_s", "steps_warmup", "steps_measure", "steps_profile",
 ]
 
 
@@ -124,4 +126,4 @@ def test_busbw_factor_is_nccl_tests(n):
 def test_the_default_search_metric_is_a_metric():
     from scalestudy.spec.study import Search
 
-    assert Search().metric in M.SCALAR_METRICS
+    assert M.search_metric(Search().metric) in M.SCALAR_METRICS

@@ -224,3 +224,18 @@ def test_elastic_trials_must_keep_the_global_batch_at_every_size():
     assert not bad.feasible and "elastic world size 3" in bad.reason
     with pytest.raises(SpecError, match="min_workers"):
         validate_spec({**base, "elastic": {"min_workers": 3, "max_workers": 2}})
+
+
+def test_a_search_metric_that_is_no_metric_is_refused(tmp_path):
+    msg = _error(tmp_path, BASE + "search: {algorithm: random, metric: tokens_per_sec}\n")
+    assert "search.metric" in msg and "tokens_per_sec" in msg and "tokens_per_s_per_device" in msg
+
+
+@pytest.mark.parametrize("section, valid", [
+    ("fault_tolerance: {max_failures: 1}\nelastic: {min_workers: 1, max_workers: 2, bogus: 1}\n",
+     "resize_check_s"),
+    ("steps: {bogus: 1}\n", "measure"),
+])
+def test_an_unknown_key_inside_an_optional_section_is_one_line(tmp_path, section, valid):
+    msg = _error(tmp_path, BASE + section)
+    assert "bogus" in msg and "unknown key" in msg and valid in msg

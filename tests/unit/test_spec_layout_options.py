@@ -22,7 +22,8 @@ GOLDEN = {
 SPECS = {
     "g1": {"name": "g1", "backend": "simulate", "model": "llama2-7b", "hardware": "a100-80gb",
            "seq_len": 4096, "precision": "bf16", "world_size": [64, 512], "zero_stage": [1, 3],
-           "tp": [1, 2], "micro_batch": 1, "global_batch": 512, "activation_checkpointing": [False, True]},
+           "tp": [1, 2], "micro_batch": 1, "global_batch": 512,
+           "activation_checkpointing": [False, True]},
     "g2": {"name": "g2", "backend": "measure", "model": "llama2-tiny", "hardware": "cpu-local",
            "seq_len": 128, "world_size": [1, 2], "zero_stage": [0, 3], "micro_batch": [1, 4]},
 }

@@ -89,7 +89,7 @@ PAPER_SPECS = sorted((REPO / "experiments" / "paper").glob("*.yaml"))
 
 
 def test_every_paper_spec_names_what_it_reproduces():
-    assert len(PAPER_SPECS) == 7
+    assert len(PAPER_SPECS) >= 7  # the seven studies, plus specs that split one of them
     for spec in PAPER_SPECS:
         head = spec.read_text().split("\nname:")[0]
         assert head.startswith("# Reproduces: Fernandez et al. 2024"), (

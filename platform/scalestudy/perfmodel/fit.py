@@ -25,9 +25,10 @@ from scalestudy.perfmodel.predict import simulate
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.spec.study import TrialConfig
 
+# The efficiencies a fit frees, by whether the profile is a GPU's (HardwareProfile.is_gpu).
 FREE_PARAMS = {
-    "cpu": ("in_step_slowdown", "step_overhead_s", "shared_node_slowdown"),
-    "gpu": ("gemm_efficiency", "attention_efficiency", "network_efficiency", "overlap_slowdown"),
+    False: ("in_step_slowdown", "step_overhead_s", "shared_node_slowdown"),
+    True: ("gemm_efficiency", "attention_efficiency", "network_efficiency", "overlap_slowdown"),
 }
 _BOUNDS = {  # (low, high) of the physical range, in the parameter's own units
     "op_overhead_s": (1e-7, 1e-2), "step_overhead_s": (1e-6, 10.0),
@@ -66,7 +67,7 @@ def fit(cfgs: list[TrialConfig], measured: list[float], hw: HardwareProfile,
     if not cfgs or len(cfgs) != len(measured):
         raise ValueError("fit needs one measured tokens/s per trial, at least one trial")
     cfgs = [c.model_copy(update={"hardware_profile": hw}) for c in cfgs]
-    names = names or FREE_PARAMS[hw.kind]
+    names = names or FREE_PARAMS[hw.is_gpu]
     base = params_for(hw)
     log_meas = np.log(np.asarray(measured, dtype=float))
     lo = np.log([_BOUNDS[n][0] for n in names])

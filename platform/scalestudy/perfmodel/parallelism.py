@@ -17,8 +17,11 @@ m = gradient-accumulation micro-batches, T = tokens per micro-batch):
   * ZeRO-3: DeepSpeed's per-module gathers and bucketed gradient reduce_scatters, every
     micro-batch (zero3.py says which, how big and when): two gathers of nearly every weight and one
     reduction per micro-batch, so gradient accumulation multiplies ZeRO-3 traffic by m. No
-    post-step gather (weights stay sharded).
-  * TP (Megatron, no sequence parallelism): two all_reduces of T*h activations per block in forward
+    post-step gather (weights stay sharded). gather_granularity block: FSDP's one gather and one
+    reduce_scatter per transformer block instead (_block_plan).
+  * TP (Megatron; with sequence parallelism each all_reduce is an all_gather and a reduce_scatter of
+    the same buffer, layouts.py; overlapped with tp_comm_overlap, predict.simulate): two all_reduces
+    of T*h activations per block in forward
     (after attention and after the MLP) and two in backward, plus two more per block when checkpointed
     activations are recomputed (times params.recompute_fraction for selective schemes). They sit on
     the critical path: nothing overlaps them. DeepSpeed AutoTP (params.tp_all_reduce_per_linear,

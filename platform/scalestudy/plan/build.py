@@ -52,6 +52,10 @@ def plan_study(spec: StudySpec) -> list[PlanEntry]:
         raise SpecError("search.metric", metric, "a search optimises a scalar metric; choose one "
                         f"of {', '.join(M.SCALAR_METRICS)}")
     entries = plan_spec(spec)
+    if spec.ensemble is not None:  # every member of every comparison must run: a spec error if not
+        from scalestudy.plan.ensemble import plan_ensemble
+
+        plan_ensemble(spec, [e for e in entries if e.feasible])
     if not any(e.feasible for e in entries):
         reasons = sorted({e.reason for e in entries if e.reason})
         shown = "; ".join(reasons[:3]) + (f"; and {len(reasons) - 3} more" if len(reasons) > 3 else "")

@@ -5,6 +5,7 @@ Every failure becomes one SpecError line: the field, the bad value and what woul
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +60,8 @@ def _format_error(err: dict, data: dict) -> SpecError:
     if idx and field and isinstance(data.get(str(loc[0])), list):
         field = f"{field}[{idx[0]}]"
     if err["type"] == "extra_forbidden":
-        section = StudySpec.model_fields[str(loc[0])].annotation if len(loc) > 1 else StudySpec
-        valid = [k for k in section.model_fields if k != "spec_dir"]
+        section = _section(loc[:-1])
+        valid = [k for k in getattr(section, "model_fields", {}) if k != "spec_dir"]
         return SpecError(
             field, err["input"], f"unknown key; valid keys here are {', '.join(valid)}"
         )
@@ -68,6 +69,25 @@ def _format_error(err: dict, data: dict) -> SpecError:
         return SpecError(field, None, "required key is missing")
     msg = err["msg"].removeprefix("Value error, ")
     return SpecError(field or "spec", err.get("input"), msg)
+
+
+def _section(path: tuple) -> type:
+    """The pydantic model a key path leads to (`elastic`, `ensemble`, `steps`...), through optional
+    and list annotations; StudySpec for the top level."""
+    model: Any = StudySpec
+    for part in path:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(str(part))
+        if field is None:
+            return model
+        model = field.annotation
+        while typing.get_args(model):  # X | None, list[X]: the model inside
+            inner = [a for a in typing.get_args(model) if hasattr(a, "model_fields")]
+            if not inner:
+                break
+            model = inner[0]
+    return model
 
 
 def load_spec_data(path: Path) -> dict[str, Any]:

@@ -340,7 +340,8 @@ _NAME_PARTS = {
     "model": (True, "{}"), "hardware": (True, "{}"), "seq_len": (False, "s{}"),
     "precision": (False, "{}"), "global_batch": (False, "gb{}"),
     "activation_checkpointing": (False, "ac{}"),
-    "sequence_parallel": (False, "sp{:d}"), "cp": (False, "cp{}"), "gather_granularity": (False, "{}gather"),
+    "sequence_parallel": (False, "sp{:d}"), "cp": (False, "cp{}"),
+    "gather_granularity": (False, "{}gather"),
     "tp_comm_overlap": (False, "tpoverlap{:d}"), "fp8": (False, "fp8gemm{:d}"),
 }
 LAYOUT_NAME_AXES = ("world_size", "tp", "pp", "zero_stage", "micro_batch")

@@ -191,6 +191,12 @@ def run_sweep(
             outcome.mlflow_error = rec.close()
         finally:
             writer.end_sweep()
+    if resume and outcome.mlflow_error is None:
+        # Rows an interrupted sweep recorded but never got into MLflow (stopped between the two):
+        # the ledger is the truth, and resuming a study finishes it in both.
+        from scalestudy.track.sync import sync_mlflow
+
+        outcome.mlflow_error = sync_mlflow(spec.name, uri, results_root)[1]
     outcome.results = rec.results
     outcome.mlflow_uri = uri
     outcome.wall_time_s = time.time() - t0

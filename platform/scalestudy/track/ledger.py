@@ -227,10 +227,13 @@ class Ledger:
 
     def update_many(self, trial_ids: Iterable[str], **fields: Any) -> None:
         """Set the same fields on several trials' rows: one small part, nothing rewritten."""
-        patch = [{"trial_id": t, **fields} for t in trial_ids]
-        if patch:
-            label = patch[0]["trial_id"] if len(patch) == 1 else f"{len(patch)}rows"
-            self._write_part(rows_table(patch), _label(f"{label}-set"), PATCH_SUFFIX)
+        self.patch([{"trial_id": t, **fields} for t in trial_ids])
+
+    def patch(self, patches: list[dict[str, Any]]) -> None:
+        """Set fields on trials' rows, each patch {"trial_id": ..., field: value, ...}: one part."""
+        if patches:
+            label = patches[0]["trial_id"] if len(patches) == 1 else f"{len(patches)}rows"
+            self._write_part(rows_table(patches), _label(f"{label}-set"), PATCH_SUFFIX)
 
     def export(self) -> Location | None:
         """Write the merged table as trials.parquet, for readers outside scalestudy; once per sweep

@@ -226,13 +226,14 @@ class MlflowWriter:
         return True
 
     # --- child runs -------------------------------------------------------------------------
-    def logged_result_ids(self) -> set[str] | None:
+    def logged_results(self) -> dict[str, str] | None:
+        """result id -> run id of every trial run in the experiment."""
         def _ids():
             runs = self.client.search_runs(
                 [self.experiment_id], filter_string=f"tags.`{ROLE_TAG}` = 'trial'",
                 max_results=50000,
             )
-            return {r.data.tags.get(RESULT_ID_TAG) for r in runs}
+            return {r.data.tags.get(RESULT_ID_TAG): r.info.run_id for r in runs}
 
         return self._guard(_ids)
 

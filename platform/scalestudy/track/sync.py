@@ -23,7 +23,7 @@ def sync_mlflow(study: str, uri: str, results_root: str | Path = "results") -> t
     rows = ledger.rows()
     if not rows:
         return 0, None
-    logged = 0
+    logged = patched = 0
     by_experiment: dict[str, list[dict]] = {}
     for row in rows:
         by_experiment.setdefault(row.get("experiment") or study, []).append(row)
@@ -32,16 +32,22 @@ def sync_mlflow(study: str, uri: str, results_root: str | Path = "results") -> t
     try:
         for experiment, exp_rows in by_experiment.items():
             writer = MlflowWriter(uri, experiment)
-            present = writer.logged_result_ids()
+            present = writer.logged_results()
             if present is None:
                 return logged, writer.error
+            # Logged, but the run id never reached the ledger (stopped between the two).
+            known = [{"trial_id": r["trial_id"], "mlflow_run_id": present[r["result_id"]]}
+                     for r in exp_rows if r.get("result_id") in present
+                     and r.get("mlflow_run_id") != present[r["result_id"]]]
+            ledger.patch(known)
+            patched += len(known)
             missing = [r for r in exp_rows if r.get("result_id") not in present]
             n, error = _sync_experiment(writer, ledger, missing, axes)
             logged += n
             if error:
                 return logged, error
     finally:
-        if logged:
+        if logged or patched:
             ledger.export()
     return logged, None
 

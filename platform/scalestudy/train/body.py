@@ -107,7 +107,12 @@ class Trial:
 
 def build(cfg: TrialConfig, device: torch.device) -> Trial:
     """Model and DeepSpeed engine at the layout of the world this attempt was given (an elastic
-    trial may get another size than it asked for; the spec check made sure it divides)."""
+    trial may get another size than it asked for; the spec check made sure it divides). pp > 1:
+    stages under a torch.distributed.pipelining schedule instead (train/pipeline_trial.py)."""
+    if cfg.pp > 1:
+        from scalestudy.train.pipeline_trial import build_pipeline_trial
+
+        return build_pipeline_trial(cfg, device)
     import deepspeed
 
     layout = cfg.layout.resized(dist.get_world_size())
@@ -213,6 +218,8 @@ def profiled_window(trial: Trial) -> ProfiledWindow:
     whole steps run, their last micro-batches (at most MICRO_BATCH_CAP) are traced, each collective's
     bus bandwidth from its own group's size."""
     cfg = trial.cfg
+    if cfg.pp > 1:  # a pipeline's schedule interleaves its micro-batches: whole steps are traced
+        return trial.profiled(cfg.steps.warmup + cfg.steps.measure, cfg.steps.profile)
     pw = run_profiled_micro_batches(trial.micro_batch, trial.layout.grad_accum, device=trial.device,
                                     first_step=cfg.steps.warmup + cfg.steps.measure,
                                     n_steps=cfg.steps.profile)
@@ -238,8 +245,9 @@ def reduce_meters(trial: Trial, w: Window, meters: TrialMeters) -> MeterResult:
 
 def reduce_steps(trial: Trial, w: Window) -> tuple[list[float], list[float], MemoryPeaks]:
     """One reduction after the windows: the slowest rank sets each step's time, losses average
-    over ranks, each memory figure is the fullest rank's."""
-    device, world = trial.device, dist.get_world_size()
+    over the ranks that compute one (all; a pipeline's last-stage ranks), each memory figure is
+    the fullest rank's."""
+    device, world = trial.device, getattr(trial, "loss_ranks", dist.get_world_size())
     losses = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device) for x in w.losses])
     dist.all_reduce(losses, op=dist.ReduceOp.SUM)
     step_times = _all_reduce(w.state.step_times_s, dist.ReduceOp.MAX, device).cpu().tolist()
@@ -264,6 +272,9 @@ def summary_of(trial: Trial, w: Window, meters: MeterResult, profiled: ProfiledW
                extra: dict[str, Any]) -> TrialSummary:
     """The trial's summary (collective: every rank builds it, rank 0's is reported)."""
     lay, state = trial.layout, w.state
+    # A pipeline's stages, each with its rank's own memory peak, before the ranks' peaks are reduced.
+    pipeline = (trial.reading(trial.timed, memory_reading(trial.device).allocated_gib)
+                if trial.cfg.pp > 1 else None)
     step_times, losses, memory = reduce_steps(trial, w)
     return TrialSummary(
         step_times_s=step_times, losses=losses, memory=memory,
@@ -271,8 +282,8 @@ def summary_of(trial: Trial, w: Window, meters: MeterResult, profiled: ProfiledW
         restarts=state.restarts, time_lost_s=state.time_lost_s,
         first_measured_step_wall=state.first_measured_wall,
         meters=meters, profiled=profiled,
-        shard_shapes=_gather_shard_shapes(trial.engine.module),
-        deepspeed_config=trial.ds_config,
+        shard_shapes=_gather_shard_shapes(trial.engine.module) if trial.engine is not None else [],
+        deepspeed_config=trial.ds_config, pipeline=pipeline,
         timing=timing.marks(),  # rank 0's wall-clock marks of this trial (train/timing.py)
         **extra,
     )

@@ -13,7 +13,10 @@ Definitions (per optimizer step, seconds; a "stage" is a pipeline rank with all 
   * bubble time = span - busy, the mean over ranks;
   * stage imbalance = the busiest stage's busy time / the mean stage's (1: balanced);
   * p2p: operations (sends and receives) and their bytes a rank posted, and the time it blocked
-    waiting on them (this includes waiting for the neighbour's compute), means over ranks.
+    waiting on them (this includes waiting for the neighbour's compute), means over ranks;
+  * peak memory of a stage: its ranks' largest process peak (CPU: RSS, GPU: the allocator's peak);
+    activation peak: the most bytes of saved activations it held for backwards at once (the
+    schedule's share of the memory, train/schedules.ActivationTracker), from the warm-up steps.
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ from __future__ import annotations
 import math
 import statistics
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
+
+from scalestudy import metrics as M
 
 NAN = float("nan")
 
@@ -43,6 +50,7 @@ class RankReading(BaseModel):
     dp_comm_s: float
     optimizer_s: float
     peak_memory_gib: float = NAN
+    activation_peak_gib: float = NAN  # most activation bytes held for backwards at once
 
 
 class StageReading(BaseModel):
@@ -57,6 +65,7 @@ class StageReading(BaseModel):
     bubble_fraction: float
     p2p_wait_s: float
     peak_memory_gib: float = NAN
+    activation_peak_gib: float = NAN
 
 
 class PipelineReading(BaseModel):
@@ -100,6 +109,7 @@ def pipeline_reading(rows: list[RankReading], schedule: str, virtual_stages: int
     for p in sorted({r.pp_rank for r in rows}):
         mine = [r for r in rows if r.pp_rank == p]
         memory = [r.peak_memory_gib for r in mine if math.isfinite(r.peak_memory_gib)]
+        held = [r.activation_peak_gib for r in mine if math.isfinite(r.activation_peak_gib)]
         stages.append(StageReading(
             stage=p, blocks=mine[0].blocks,
             forward_s=_mean([r.forward_s / n for r in mine]),
@@ -107,7 +117,8 @@ def pipeline_reading(rows: list[RankReading], schedule: str, virtual_stages: int
             busy_s=_mean([(r.forward_s + r.backward_s) / n for r in mine]),
             bubble_fraction=_mean([_bubble(r) for r in mine]),
             p2p_wait_s=_mean([r.p2p_wait_s / n for r in mine]),
-            peak_memory_gib=max(memory) if memory else NAN))
+            peak_memory_gib=max(memory) if memory else NAN,
+            activation_peak_gib=max(held) if held else NAN))
     busy = [s.busy_s for s in stages]
     return PipelineReading(
         schedule=schedule, virtual_stages=virtual_stages, micro_batches=micro_batches,
@@ -124,3 +135,31 @@ def pipeline_reading(rows: list[RankReading], schedule: str, virtual_stages: int
 
 def _bubble(r: RankReading) -> float:
     return 1.0 - (r.forward_s + r.backward_s) / r.span_s if r.span_s > 0 else NAN
+
+
+def result_fields(reading: PipelineReading | None, comm: dict[str, Any] | None = None
+                  ) -> tuple[dict[str, Any], dict[str, str]]:
+    """A pipeline reading's TrialResult fields (bubble, imbalance, per-stage figures) and what is
+    missing; nothing for a trial without a pipeline. ``comm``, the breakdown so far (the profiled
+    window's), comes back with the timed window's p2p as its send/recv row: counted in the steps
+    that set the throughput, not in the profiler's perturbed ones."""
+    if reading is None:
+        return {}, {}
+    fields: dict[str, Any] = {M.BUBBLE_FRACTION: reading.bubble_fraction,
+                              M.BUBBLE_TIME_S: reading.bubble_time_s,
+                              M.STAGE_IMBALANCE: reading.stage_imbalance,
+                              "pipeline_stages": [s.model_dump() for s in reading.stages],
+                              "comm": {**(comm or {}), M.SEND_RECV: p2p_stats(reading)}}
+    missing = {name: "no timed step measured the pipeline" for name in
+               (M.BUBBLE_FRACTION, M.BUBBLE_TIME_S, M.STAGE_IMBALANCE)
+               if not math.isfinite(fields[name])}
+    return fields, missing
+
+
+def p2p_stats(reading: PipelineReading) -> M.CollectiveStats:
+    """The timed window's p2p per step (mean over ranks): operations (sends and receives), their
+    bytes and the time blocked on them (send/recv: bus bytes = bytes)."""
+    gbps = reading.p2p_bytes / reading.p2p_time_s / 1e9 if reading.p2p_time_s > 0 else M.NAN
+    return M.CollectiveStats(count=reading.p2p_ops, bytes=reading.p2p_bytes,
+                             time_s=reading.p2p_time_s, bus_bytes=reading.p2p_bytes,
+                             algbw_gbps=gbps, busbw_gbps=gbps)

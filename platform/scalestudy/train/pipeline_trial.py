@@ -19,14 +19,12 @@ dp_rank, stage, step, staged, ds_config); what differs is said here:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from scalestudy import metrics as M
 from scalestudy.parallel.layout import Layout
 from scalestudy.train.pipeline_summary import PipelineReading
 from scalestudy.train.schedules import PipelineTrainer, process_groups
@@ -41,6 +39,7 @@ class PipelineTrial:
     rank: int
     ds_config: dict[str, Any] = field(default_factory=dict)  # no DeepSpeed engine
     staged: dict[int, torch.Tensor] = field(default_factory=dict)
+    timed: range = range(0)  # the timed window's steps (stage() is told them)
     engine: Any = None
 
     @property
@@ -53,8 +52,12 @@ class PipelineTrial:
         return self.layout.dp * self.layout.tp
 
     def stage(self, steps: range) -> None:
-        """The timed window's batches of this rank, on the device before the window starts."""
+        """The timed window's batches of this rank, on the device before the window starts; the
+        activation tracker stops here (its hooks stay out of the timed steps: the warm-up held
+        what every step holds)."""
         self.staged = {s: self.trainer.batch(s) for s in steps}
+        self.timed = steps
+        self.trainer.tracker.on = False
 
     def step(self, step: int) -> torch.Tensor:
         return self.trainer.step(step, self.staged.get(step))
@@ -83,28 +86,3 @@ def build_pipeline_trial(cfg: Any, device: torch.device) -> PipelineTrial:
     timing.mark("model_built")
     timing.mark("engine_ready")
     return PipelineTrial(cfg, layout, trainer, device, dist.get_rank())
-
-
-def result_fields(reading: PipelineReading | None) -> tuple[dict[str, Any], dict[str, str]]:
-    """A pipeline reading's TrialResult fields (bubble, imbalance, per-stage figures, the p2p
-    row of the comm breakdown) and what is missing; nothing for a trial without a pipeline."""
-    if reading is None:
-        return {}, {}
-    stages = [s.model_dump() for s in reading.stages]
-    fields: dict[str, Any] = {M.BUBBLE_FRACTION: reading.bubble_fraction,
-                              M.BUBBLE_TIME_S: reading.bubble_time_s,
-                              M.STAGE_IMBALANCE: reading.stage_imbalance,
-                              "pipeline_stages": stages}
-    missing = {name: "no timed step measured the pipeline" for name in
-               (M.BUBBLE_FRACTION, M.BUBBLE_TIME_S, M.STAGE_IMBALANCE)
-               if not math.isfinite(fields[name])}
-    return fields, missing
-
-
-def p2p_stats(reading: PipelineReading) -> M.CollectiveStats:
-    """The timed window's p2p per step (mean over ranks): operations, bytes and the time blocked
-    on them, a send/recv row for the comm breakdown where the profiled window has none."""
-    gbps = reading.p2p_bytes / reading.p2p_time_s / 1e9 if reading.p2p_time_s > 0 else M.NAN
-    return M.CollectiveStats(count=reading.p2p_ops, bytes=reading.p2p_bytes,
-                             time_s=reading.p2p_time_s, bus_bytes=reading.p2p_bytes,
-                             algbw_gbps=gbps, busbw_gbps=gbps)

@@ -7,22 +7,20 @@ the bubble is measured from.
     loss = trainer.step(step)                            # one optimizer step; this rank's loss
     reading = trainer.reading(timed_steps)               # collective: figures of the timed steps
 
-Mechanism (docs: why not DeepSpeed's PipelineEngine): torch.distributed.pipelining with the manual
-split of train/pipeline.py, as torchtitan runs it. ``gpipe`` -> ScheduleGPipe, ``1f1b`` ->
-Schedule1F1B, ``interleaved_1f1b`` -> ScheduleInterleaved1F1B over virtual_stages chunks per rank.
+Mechanism: torch.distributed.pipelining with the manual split of train/pipeline.py, as torchtitan
+runs it. ``gpipe`` -> ScheduleGPipe, ``1f1b`` -> Schedule1F1B, ``interleaved_1f1b`` ->
+ScheduleInterleaved1F1B over virtual_stages chunks per rank. Why not DeepSpeed: its PipelineEngine
+runs one schedule (1F1B, no GPipe, no interleaving), needs the model rewritten as a PipelineModule of
+LayerSpecs (not the Hugging Face model the other trials train), refuses ZeRO-2/3 and does not
+compose with AutoTP; and a DeepSpeed engine per stage cannot sit under torch's schedules, which run
+each micro-batch's backward themselves (torch.autograd.backward on the stage's outputs): the engine
+never sees the backward that triggers its gradient accumulation boundary and ZeRO's reductions.
+Tensor parallelism inside a stage is therefore torch's too (train/pipeline.py).
 The loss goes to the schedule unscaled; the schedule divides the accumulated gradients by the
 micro-batch count once, after the last backward (PipelineStage.scale_grads), and accumulates over
 micro-batches itself: what DeepSpeed's gradient accumulation does for pp = 1.
 
-Data parallelism across the dp replicas of a stage, after the schedule (torch's schedules run every
-backward themselves, so nothing can hook DeepSpeed's boundary): the gradients of every local
-parameter in one flat all_reduce over the dp group, divided by dp. ZeRO-0: every rank then steps
-AdamW on all its parameters. ZeRO-1 (optimizer states sharded): each parameter belongs to one dp
-rank (largest first to the least loaded, as ZeroRedundancyOptimizer assigns them), only its owner
-keeps Adam's states and steps it, and each owner then broadcasts its updated parameters to the
-group in one flat buffer: the all_gather of the updated weights that ZeRO-1 adds (a broadcast per
-owner carries the same bytes). Written here rather than torch's ZeroRedundancyOptimizer because the
-tensor-parallel shards are DTensors, which it does not flatten; this works on their local tensors.
+Data parallelism across the dp replicas of a stage, after the schedule: train/stage_replicas.py.
 
 Timestamps: every forward (with the loss on the last stage) and every backward of a micro-batch is
 timed on its rank (TimedStage); the pipeline ranks align on a barrier before the schedule starts, so
@@ -35,7 +33,6 @@ includes waiting for the neighbour's compute: on a pipeline, the bubble).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,11 +45,11 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleaved1F1B)
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from scalestudy.parallel.deepspeed_config import optimizer_config
 from scalestudy.parallel.layout import GRID_AXES, Layout
 from scalestudy.train.data import rank_micro_batches
 from scalestudy.train.pipeline import StageChunk, build_stages, causal_lm_loss, local
 from scalestudy.train.pipeline_summary import PipelineReading, RankReading, pipeline_reading
+from scalestudy.train.stage_replicas import ReplicaOptimizer
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
              "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -118,13 +115,53 @@ class StepLog:
         return self.forward_s + self.backward_s
 
 
+class ActivationTracker:
+    """Bytes of activations a pipeline rank holds for its micro-batches' backwards: what autograd
+    saves in each forward (parameters left out, each storage once per micro-batch), held from that
+    forward to the end of the micro-batch's backward; ``peak_bytes`` is the most held at once. The
+    memory a schedule decides (1F1B: pp micro-batches on the first stage, one on the last; GPipe:
+    all m), read where the process's RSS cannot tell it from the allocator's retained heap. On
+    while ``on`` (the trainer turns it off for timed steps: a Python hook per saved tensor)."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.on = True
+        self.params = {local(p).untyped_storage().data_ptr() for p in params}
+        self.held: dict[tuple[int, int], int] = {}
+        self.seen: dict[tuple[int, int], set[int]] = {}
+        self.current: tuple[int, int] | None = None
+        self.peak_bytes = 0
+
+    def hooks(self, key: tuple[int, int]):
+        """saved_tensors_hooks that count what micro-batch ``key`` (stage, mb) saves."""
+        self.current = key
+        self.held.setdefault(key, 0)
+        seen = self.seen.setdefault(key, set())
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = local(t).untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self.params and ptr not in seen:
+                seen.add(ptr)
+                self.held[key] += storage.nbytes()
+                self.peak_bytes = max(self.peak_bytes, sum(self.held.values()))
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def released(self, key: tuple[int, int]) -> None:
+        self.held.pop(key, None)
+        self.seen.pop(key, None)
+
+
 class TimedStage(PipelineStage):
     """A PipelineStage that records each micro-batch's forward and backward and counts its p2p
-    ops and bytes into the trainer's current StepLog."""
+    ops and bytes into the trainer's current StepLog (and, while its tracker is on, the
+    activations each micro-batch holds)."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, tracker: ActivationTracker, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.log: StepLog | None = None
+        self.tracker = tracker
 
     def _span(self, kind: str, mb: int, t0: float) -> None:
         t1 = time.perf_counter()
@@ -134,13 +171,18 @@ class TimedStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
         t0 = time.perf_counter()
-        out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if self.tracker.on:
+            with self.tracker.hooks((self.stage_index, fwd_chunk_id)):
+                out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        else:
+            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         self._span("forward", fwd_chunk_id, t0)
         return out
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any):
         t0 = time.perf_counter()
         out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        self.tracker.released((self.stage_index, bwd_chunk_id))
         self._span("backward", bwd_chunk_id, t0)
         return out
 
@@ -181,67 +223,6 @@ def _timed_p2p_waits(log: StepLog) -> Iterator[None]:
         torch_schedules._wait_batch_p2p = original
 
 
-# --- data parallelism across stage replicas ---------------------------------------------------
-
-class ReplicaOptimizer:
-    """AdamW over this rank's stage parameters with their gradients averaged over the dp group;
-    ZeRO-1 shards Adam's states over it (module docstring)."""
-
-    def __init__(self, params: list[torch.nn.Parameter], cfg: Any, dp_group: Any, dp_size: int,
-                 dp_rank: int):
-        self.params, self.group, self.dp, self.dp_rank = params, dp_group, dp_size, dp_rank
-        self.zero1 = cfg.zero_stage == 1 and dp_size > 1
-        self.owner = _owners(params, dp_size) if self.zero1 else [dp_rank] * len(params)
-        mine = [p for p, o in zip(params, self.owner) if o == dp_rank]
-        kwargs = {k: v for k, v in optimizer_config(cfg)["params"].items() if k != "torch_adam"}
-        self.optimizer = torch.optim.AdamW(mine, **kwargs) if mine else None
-
-    def reduce_gradients(self) -> None:
-        """One flat all_reduce of every local gradient over the dp group, then / dp."""
-        if self.dp == 1:
-            return
-        grads = [local(p.grad) for p in self.params]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.group)
-        flat.div_(self.dp)
-        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(reduced)
-
-    def step(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.step()
-        if self.zero1:
-            self._gather_updated()
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def _gather_updated(self) -> None:
-        """Each owner's updated parameters to the whole dp group, one flat broadcast per owner."""
-        ranks = dist.get_process_group_ranks(self.group)
-        for owner in range(self.dp):
-            tensors = [local(p) for p, o in zip(self.params, self.owner) if o == owner]
-            if not tensors:
-                continue
-            flat = torch._utils._flatten_dense_tensors(tensors)
-            dist.broadcast(flat, src=ranks[owner], group=self.group)
-            if owner != self.dp_rank:
-                for t, new in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-                    t.copy_(new)
-
-
-def _owners(params: list[torch.nn.Parameter], dp: int) -> list[int]:
-    """The dp rank that keeps each parameter's optimizer states: largest first, to the least
-    loaded rank (ties to the lowest), the same on every rank of the group."""
-    load = [0] * dp
-    owner = [0] * len(params)
-    for i in sorted(range(len(params)), key=lambda i: (-local(params[i]).numel(), i)):
-        r = min(range(dp), key=lambda k: (load[k], k))
-        owner[i] = r
-        load[r] += local(params[i]).numel()
-    return owner
-
-
 # --- the trainer ------------------------------------------------------------------------------
 
 class PipelineTrainer:
@@ -255,8 +236,10 @@ class PipelineTrainer:
         self.chunks: list[StageChunk] = build_stages(cfg, device, self.pp_rank, tp_mesh)
         n_stages = layout.pp * cfg.virtual_stages
         pp_group = groups.group("pp")
-        self.stages = [TimedStage(c.module, c.index, n_stages, device, group=pp_group)
-                       for c in self.chunks]
+        params = [p for c in self.chunks for p in c.module.parameters()]
+        self.tracker = ActivationTracker(params)
+        self.stages = [TimedStage(c.module, c.index, n_stages, device, group=pp_group,
+                                  tracker=self.tracker) for c in self.chunks]
         self.first = any(c.index == 0 for c in self.chunks)
         self.last = any(c.index == n_stages - 1 for c in self.chunks)
         loss = self._timed_loss(causal_lm_loss(cfg.model_dims.vocab_size))
@@ -264,7 +247,6 @@ class PipelineTrainer:
         n = layout.grad_accum
         self.schedule = (schedule(self.stages, n, loss_fn=loss) if cfg.virtual_stages > 1
                          else schedule(self.stages[0], n, loss_fn=loss))
-        params = [p for c in self.chunks for p in c.module.parameters()]
         self.optimizer = ReplicaOptimizer(params, cfg, groups.group("dp"), layout.dp, self.dp_rank)
         self.logs: dict[int, StepLog] = {}
         self._log: StepLog | None = None
@@ -273,7 +255,12 @@ class PipelineTrainer:
         """The loss on the last stage, timed as part of that micro-batch's forward."""
         def timed(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             t0 = time.perf_counter()
-            out = loss_fn(logits, labels)
+            tracker = self.tracker
+            if tracker.on and tracker.current is not None:  # the micro-batch just forwarded
+                with tracker.hooks(tracker.current):
+                    out = loss_fn(logits, labels)
+            else:
+                out = loss_fn(logits, labels)
             if self._log is not None:
                 self._log.forward_s += time.perf_counter() - t0
             return out
@@ -300,7 +287,8 @@ class PipelineTrainer:
         with _timed_p2p_waits(log):
             args = (ids,) if self.first else ()
             kwargs = {"target": ids, "losses": losses} if self.last else {}
-            self.schedule.step(*args, **kwargs)
+            # return_outputs=False: the last stage would keep every micro-batch's logits to merge
+            self.schedule.step(*args, return_outputs=False, **kwargs)
         t1 = time.perf_counter()
         self.optimizer.reduce_gradients()
         t2 = time.perf_counter()
@@ -326,7 +314,7 @@ class PipelineTrainer:
             span_s=float(ends.sum()), p2p_wait_s=sum(g.p2p_wait_s for g in logs),
             p2p_ops=sum(g.p2p_ops for g in logs), p2p_bytes=sum(g.p2p_bytes for g in logs),
             dp_comm_s=sum(g.dp_comm_s for g in logs), optimizer_s=sum(g.optimizer_s for g in logs),
-            peak_memory_gib=peak_memory_gib)
+            peak_memory_gib=peak_memory_gib, activation_peak_gib=self.tracker.peak_bytes / 2**30)
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine.model_dump())
         cfg = self.cfg
@@ -355,6 +343,7 @@ def measure_steps(cfg: Any, device: torch.device, warmup: int, steps: int
     trainer = PipelineTrainer(cfg, cfg.layout, device, process_groups(cfg.layout, device.type))
     for s in range(warmup):
         trainer.step(s)
+    trainer.tracker.on = False  # the warm-up held what every step holds; no hooks in timed steps
     sync(device)
     reset_peak(device)
     if device.type == "cpu":

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from scalestudy.measure.meters import MeterResult
 from scalestudy.measure.profiled_window import ProfiledWindow
+from scalestudy.train.pipeline_summary import PipelineReading
 from scalestudy.train.segments import Segment
 
 
@@ -66,3 +67,5 @@ class TrialSummary(BaseModel):
     timing: dict[str, float] = Field(default_factory=dict)  # rank 0's wall-clock marks (timing.py)
     # What only an adapter knows (the Ray adapters: each rank's node, in rank order).
     worker_node_ids: list[str] | None = None
+    # A pipeline trial's (pp > 1) bubble, stages and p2p (train/pipeline_summary.py); None else.
+    pipeline: PipelineReading | None = None
