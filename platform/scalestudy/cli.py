@@ -204,7 +204,7 @@ def sync_mlflow_cmd(
     if json_:
         emit_json([{"study": study, "logged": logged, "error": error}])
     else:
-        say(f"logged {logged} runs" + (f"; stopped: {error}" if error else ""))
+        say(f"logged {logged} rows to MLflow" + (f"; stopped: {error}" if error else ""))
     if error:
         raise typer.Exit(1)
 

@@ -143,6 +143,9 @@ def fit(
     from scalestudy.track.ledger import Ledger, ledger_path
 
     path = ledger_path(study, results_root)
+    # before the ledger is read: a URI root cannot take the profile (and needs no round trip)
+    target = out_path or _default_out(results_root, "fitted.yaml", "--out",
+                                      study)
     try:
         results = Ledger(path).results()
         if not results:
@@ -150,7 +153,8 @@ def fit(
         cfgs, measured, results, hw = measured_trials(results, hardware)
     except SpecError as e:
         fail(e)
-    target = out_path or _default_out(results_root, f"fitted-{hw.name}.yaml", "--out", study)
+    if out_path is None:
+        target = target.with_name(f"fitted-{hw.name}.yaml")
     res = run_fit(cfgs, measured, hw)
     held, split = (held_out_predictions(cfgs, measured, hw) if len(cfgs) > 1
                    else ([math.nan] * len(cfgs), "none: one trial"))

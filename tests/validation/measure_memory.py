@@ -40,6 +40,13 @@ def cpu_model() -> str:
                  if ln.startswith("Model name")), "unknown")
 
 
+def software() -> str:
+    import deepspeed
+    import torch
+
+    return f"torch {torch.__version__}, deepspeed {deepspeed.__version__}"
+
+
 def world_of(sets: list[str]) -> int:
     return next((int(s.split("=", 1)[1]) for s in sets if s.startswith("world_size=")), 1)
 
@@ -101,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     data = yaml.safe_load(DATA.read_text())
     measure_all(data, set(args.only))
     data["measured"] = {"command": " ".join(["tests/validation/measure_memory.py", *sys.argv[1:]]),
-                        "date": dt.date.today().isoformat(), "cpu_model": cpu_model()}
+                        "date": dt.date.today().isoformat(), "cpu_model": cpu_model(),
+                        "software": software()}
     header = "".join(ln + "\n" for ln in DATA.read_text().splitlines() if ln.startswith("#"))
     args.out.write_text(header + yaml.safe_dump(data, sort_keys=False, width=110))
     print(f"wrote {args.out}")

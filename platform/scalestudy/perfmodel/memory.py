@@ -43,7 +43,8 @@ Activations, per layer and token, as autograd saves them for backward in Hugging
   MLP: gate, up, SiLU(gate) and the product: 4 a f / t.
   Logits (AutoTP's LM head all-reduces them, so each rank has all V columns): the a-byte logits stay
   alive through the backward while log-softmax's output, its incoming gradient and its result are
-  fp32: (a + 12) V per token (16 V in fp32 on a CPU, measured: tests/validation/test_memory_measured).
+  fp32: (a + 12) V per token (in fp32, 16 V: what glibc's live bytes rose by when a CPU trial's
+  backward began, measured with mallinfo2 while preparing tests/validation/test_memory_measured.py).
   Full checkpointing keeps each layer's input (a h) plus one layer's activations being recomputed.
   GPT-style blocks (HF OPT) keep Korthikanti et al. 2022's 10 + 24/t coefficient. Layouts that only
   published runs use (sequence/context parallelism, FP8, selective recomputation, interleaving) are
@@ -89,21 +90,18 @@ NCCL_RING_PEERS = 2
 # allocated and freed every step; model states are allocated once, as flat buffers.
 GPU_FRAGMENTATION_FRACTION = 0.15
 # A CPU worker's resident size before its model exists: Python, torch, DeepSpeed, transformers and the
-# gloo/shared-memory communication buffers. Measured as the peak RSS of llama2-tiny trials (0.2M
-# parameters: states and activations under 10 MiB) on this platform's CPU machine: 0.54 GiB at world
-# size 1 (ZeRO-0), 0.60 at world size 2 (ZeRO-3) (tests/validation/data/memory_measured.yaml).
-CPU_PROCESS_BYTES = 0.57 * GIB
-# glibc's heap under the worker's settings (train/host_memory.py keeps freed memory, as a caching
-# allocator does) holds, besides the live tensors, chunks freed earlier that later tensors of other
-# sizes cannot reuse. How much depends on what churns through it: a plain ZeRO-0 step (torch's
-# optimizer, at most one all-reduce after the backward) leaves little; DeepSpeed's ZeRO optimizers
-# (flat partitions, buckets and fp32 gradient copies made and freed every step) and AutoTP (an
-# all-reduce per block in forward and backward), with gloo's worker threads allocating collectives'
-# temporaries in arenas of their own, leave much more. Not derived: measured per class as
-# (peak RSS - process - estimated tensors) / estimated tensors on the `calibration` trials of
-# tests/validation/data/memory_measured.yaml, another model than the scored ones.
-CPU_HEAP_RETENTION_PLAIN = 0.10
-CPU_HEAP_RETENTION_SHARDED = 0.50
+# gloo/shared-memory communication buffers. Measured: the peak RSS of llama2-tiny trials (0.2M
+# parameters, a few MiB of tensors) less those tensors, 0.52 GiB at world size 1 (ZeRO-0) and 0.57
+# at world size 2 (ZeRO-3) (`process` group of tests/validation/data/memory_measured.yaml).
+CPU_PROCESS_BYTES = 0.54 * GIB
+# glibc's heap under the worker's settings (train/host_memory.py: freed memory is kept, as a caching
+# allocator keeps it, and tensors up to 32 MiB are carved from the heap) holds, at the peak, chunks
+# freed earlier that the tensors alive then could not reuse: gloo's worker threads allocate the
+# collectives' temporaries in arenas of their own, DeepSpeed's flat partitions and fp32 copies come
+# and go every step. Not derived: measured as peak RSS - process - estimated tensors on the
+# `calibration` trials of memory_measured.yaml (another model than the scored ones), where it ranged
+# from 0.07 GiB (plain ZeRO-0) to 0.43 GiB (ZeRO-3) and did not scale with the tensors: their mean.
+CPU_HEAP_RETAINED_BYTES = 0.24 * GIB
 
 
 @dataclass(frozen=True)
@@ -303,12 +301,6 @@ def _largest_tensor(cfg: TrialConfig) -> float:
                max(zero3.block_weights(dims, cfg.tp), default=0.0))
 
 
-def cpu_heap_retention(cfg: TrialConfig) -> float:
-    """The CPU heap's retained share for this trial's step (see CPU_HEAP_RETENTION_PLAIN)."""
-    sharded = cfg.zero_stage >= 1 or cfg.tp > 1
-    return CPU_HEAP_RETENTION_SHARDED if sharded else CPU_HEAP_RETENTION_PLAIN
-
-
 def _communicators(cfg: TrialConfig) -> int:
     """NCCL communicators a trial's rank joins: the world's, and dp, tp and pp groups of their own."""
     lay = cfg.layout
@@ -334,7 +326,7 @@ def memory_breakdown(cfg: TrialConfig, fused_attention: bool = True) -> MemoryBr
         terms["nccl"] = _communicators(cfg) * NCCL_BUFFSIZE_BYTES * NCCL_CHANNELS * NCCL_RING_PEERS
         terms["runtime"] = CUDA_CONTEXT_BYTES
     else:
-        terms["fragmentation"] = sum(terms.values()) * cpu_heap_retention(cfg)
+        terms["fragmentation"] = CPU_HEAP_RETAINED_BYTES
         terms["runtime"] = CPU_PROCESS_BYTES
     gib = {name: value / GIB for name, value in terms.items()}
     return MemoryBreakdown(**{f"{k}_gib": v for k, v in gib.items()}, total_gib=sum(gib.values()))

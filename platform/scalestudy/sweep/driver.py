@@ -48,7 +48,8 @@ class Recorder:
 
     Measured trials (minutes each): one ledger part each, then one MLflow child run each under
     the sweep's parent, its run id patched into the ledger. Predictions (batch=True, well under a
-    millisecond each): rows written as one ledger part per FLUSH_ROWS rows or FLUSH_S seconds, and
+    millisecond each): rows written as one ledger part per FLUSH_ROWS rows or FLUSH_S seconds (a
+    crash loses at most those not yet flushed: seconds of predictions, which --resume redoes), and
     logged to MLflow once, at close(), as one table on the parent run. What MLflow refused during
     the sweep is tried once more at close(); what is still missing, sync-mlflow uploads later.
     """

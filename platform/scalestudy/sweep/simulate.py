@@ -59,7 +59,9 @@ def simulate_sweep(spec: StudySpec, planned: list[PlannedTrial], done: set[str],
     if spec.search.algorithm is SearchAlgorithm.random:
         rng = random.Random(spec.seed)
         for _ in range(samples):
-            run(by_key[_key({a: rng.choice(v) for a, v in values.items()})])
+            # an axis of one value draws nothing, so a spec's draws do not depend on how many
+            # single-valued axes (layout options it leaves at their defaults) the spec schema has
+            run(by_key[_key({a: rng.choice(v) if len(v) > 1 else v[0] for a, v in values.items()})])
         return
     _optuna(spec, by_key, values, samples, run)
 
