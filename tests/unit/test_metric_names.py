@@ -33,11 +33,6 @@ FOREIGN = {
     ("platform/scalestudy/measure/comm_groups.py", "_METHODS"):
         "torch.distributed.ProcessGroup method names (torch's spelling, looked up with getattr)",
 }
-# Files of others that still spell metric names (issue 30, item 4): the lead moves them onto
-# metrics.py's constants, then empties this and removes test_no_metric_name_literal_pending's mark.
-PENDING = frozenset({
-    "platform/scalestudy/calibrate/gpucheck.py",
-})
 
 
 def metric_names(source: str) -> dict[str, str]:
@@ -143,12 +138,5 @@ def test_metric_names_are_read_from_metrics_py():
 
 
 def test_no_metric_name_literal_outside_metrics_py():
-    hits = [hit for rel, hit in scan() if rel not in PENDING]
-    assert not hits, "metric names spelt outside metrics.py:\n" + "\n".join(hits)
-
-
-@pytest.mark.xfail(strict=False, reason="issue 30 item 4: metric-name literals remain in others' "
-                   "files (PENDING above); the lead moves them onto metrics.py, then drops this mark")
-def test_no_metric_name_literal_pending():
-    hits = [hit for rel, hit in scan() if rel in PENDING]
+    hits = [hit for _, hit in scan()]
     assert not hits, "metric names spelt outside metrics.py:\n" + "\n".join(hits)

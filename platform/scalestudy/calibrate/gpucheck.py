@@ -32,14 +32,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from scalestudy import metrics as M
+
 EXIT_UNFIT = 2
 NO_GPU = "gpu-check: no CUDA device is visible to torch on this machine; nothing to check"
 REPO = Path(__file__).resolve().parents[3]
 SPEC = REPO / "experiments" / "gpu-check.yaml"
 TRIAL_TIMEOUT_S = 300
 KILL_WAIT_S = 30  # after the kill: for the pipes to close and torchrun to be reaped
-COLUMNS = ("world", "pp", "zero", "status", "tokens_per_s", "mfu", "energy_per_token_j", "comm_exposed_frac",
-           "peak_reserved_gib", "predicted_tokens_per_s", "error_pct")
+COLUMNS = ("world", "pp", "zero", "status", M.TOKENS_PER_S, M.MFU, M.ENERGY_PER_TOKEN_J,
+           "comm_exposed_frac", "peak_reserved_gib", "predicted_tokens_per_s", "error_pct")
 
 
 def cuda_device_count() -> int:
@@ -176,13 +178,13 @@ def predicted_tokens_per_s(overrides: list[str]) -> float:
 
 def row(world: int, zero: int, measured: dict[str, Any], predicted: float, pp: int = 1
         ) -> dict[str, Any]:
-    tps = float(measured.get("tokens_per_s", math.nan) or math.nan)
+    tps = float(measured.get(M.TOKENS_PER_S, math.nan) or math.nan)
     err = (predicted - tps) / tps * 100 if math.isfinite(tps) and tps > 0 else math.nan
     return {"world": world, "pp": pp, "zero": zero, "status": measured.get("status"),
-            "reason": measured.get("reason"), "tokens_per_s": tps, "mfu": measured.get("mfu"),
-            "energy_per_token_j": measured.get("energy_per_token_j"),
-            "comm_exposed_frac": measured.get("comm_exposed_fraction"),
-            "peak_reserved_gib": measured.get("peak_memory_reserved_gib"),
+            "reason": measured.get("reason"), M.TOKENS_PER_S: tps, M.MFU: measured.get(M.MFU),
+            M.ENERGY_PER_TOKEN_J: measured.get(M.ENERGY_PER_TOKEN_J),
+            "comm_exposed_frac": measured.get(M.COMM_EXPOSED_FRACTION),
+            "peak_reserved_gib": measured.get(M.PEAK_MEMORY_RESERVED_GIB),
             "predicted_tokens_per_s": predicted, "error_pct": err}
 
 
@@ -209,7 +211,6 @@ MEMORY_BOUND = 0.15
 
 def memory_row(world: int, zero: int, overrides: list[str], measured: dict[str, Any]) -> dict[str, Any]:
     """The plan's memory estimate of one trial beside what the trial measured (NaN where it did not)."""
-    from scalestudy import metrics as M
     from scalestudy.plan import plan_study
     from scalestudy.spec.load import load_spec
 
