@@ -124,6 +124,6 @@ def test_busbw_factor_is_nccl_tests(n):
 
 
 def test_the_default_search_metric_is_a_metric():
-    from scalestudy.spec.study import Search
+    from scalestudy.spec.sections import Search
 
     assert M.search_metric(Search().metric) in M.SCALAR_METRICS

@@ -35,7 +35,8 @@ from scalestudy.perfmodel.params import params_for
 from scalestudy.perfmodel.predict import simulate
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.spec.load import validate_spec
-from scalestudy.spec.study import TrialConfig, expand, resolve_hardware
+from scalestudy.spec.resolve import resolve_hardware
+from scalestudy.spec.study import TrialConfig, expand
 
 REFERENCE = {"model": "llama2-calib", "micro_batch": 2, "seq_len": 192, "zero_stage": 0}
 # On a GPU the CPU reference (384 tokens a step) is all kernel launches: measured on an H200

@@ -34,7 +34,8 @@ import functools
 
 from scalestudy.perfmodel import network as net
 from scalestudy.spec.catalog import HardwareProfile, ModelDims
-from scalestudy.spec.study import FP8_PEAK_KEY, TrialConfig
+from scalestudy.spec.checks import FP8_PEAK_KEY
+from scalestudy.spec.study import TrialConfig
 from scalestudy.spec.trial import RecomputeGranularity
 
 # Bytes through HBM per element to cast a bf16 operand to FP8 (read 2, write 1); TE fuses the amax

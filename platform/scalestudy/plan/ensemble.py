@@ -27,7 +27,8 @@ from scalestudy.perfmodel.ensemble import predict_group
 from scalestudy.plan.build import plan_point
 from scalestudy.plan.entry import PlanEntry
 from scalestudy.spec.errors import SpecError
-from scalestudy.spec.study import NamedModel, StudySpec, resolve_point
+from scalestudy.spec.sections import NamedModel
+from scalestudy.spec.study import StudySpec, resolve_point
 
 
 class Slot(BaseModel):
@@ -101,7 +102,7 @@ def _member(spec: StudySpec, point: dict[str, Any], model: NamedModel, k: int, i
 
 def plan_comparison(spec: StudySpec, single: PlanEntry) -> Comparison:
     """The comparison at the single model's world size (one grid point per N:
-    spec.study.check_ensemble)."""
+    spec.ensemble.check_ensemble)."""
     ens = spec.ensemble
     n = single.config.world_size
     point = resolve_point(spec, single.axes)

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
-from scalestudy.spec import catalog, study
+from scalestudy.spec import catalog, sections
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.spec.study import StudySpec
 from scalestudy.spec.trial import AXES
@@ -131,7 +131,7 @@ SECTION_NOTES: dict[str, str] = {
 # Constraints that spec/study.py writes as AfterValidator functions, by function name (a function
 # not listed here fails tests/unit/test_spec_reference.py: say what it accepts).
 _VALIDATOR_TEXT = {"_positive": "> 0", "_zero_stage": "0, 1, 2 or 3",
-                   "_world_size": f"> 0, at most {study.MAX_WORLD_SIZE:,}"}
+                   "_world_size": f"> 0, at most {sections.MAX_WORLD_SIZE:,}"}
 _SCALARS = {int: "int", float: "float", str: "string", bool: "bool"}
 _SKIP = (HardwareProfile,)  # a profile is a catalogue entry or a file, never keys written in a spec
 

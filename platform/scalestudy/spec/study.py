@@ -1,7 +1,9 @@
 """The study spec (YAML contract of every command) and its expansion into trials.
 
 A trial is a TrialConfig (spec/trial.py); its layout (degrees, nodes, batch split) comes from the
-layout object (parallel/layout.py), which also says why a point cannot run.
+layout object (parallel/layout.py), which also says why a point cannot run; spec/checks.py says
+what else refuses it. The spec's sections and axis validators are in spec/sections.py, model and
+hardware resolution in spec/resolve.py, the ensemble section in spec/ensemble.py.
 """
 
 from __future__ import annotations
@@ -9,194 +11,34 @@ from __future__ import annotations
 import itertools
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    PositiveFloat,
-    PositiveInt,
-    ValidationError,
-    field_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
 
+from scalestudy.errors import InfeasibleTrial
 from scalestudy.parallel.layout import Layout
-from scalestudy.spec import catalog
-from scalestudy.spec.catalog import HardwareProfile, ModelDims, Precision
-from scalestudy.errors import InfeasibleTrial, ReasonClass
+from scalestudy.spec.catalog import HardwareProfile
+from scalestudy.spec.checks import check_trial
+from scalestudy.spec.ensemble import Ensemble, check_ensemble
 from scalestudy.spec.precision import PrecisionChoice, resolve_precision
+from scalestudy.spec.resolve import one_per_name, resolve_hardware, resolve_model
+from scalestudy.spec.sections import (NamedModel, PosInt, Search, Tracking, Workers, WorldSize,
+                                      ZeroStage, as_list)
 from scalestudy.spec.trial import (
     AXES,
     LAYOUT_AXES,
     LAYOUT_DEFAULTS,
-    GatherGranularity,
-    RecomputeGranularity,
     LAYOUT_NAME_AXES,
     Backend,
     Elastic,
     FaultTolerance,
+    GatherGranularity,
     PipelineSchedule,
     PlannedTrial,
+    RecomputeGranularity,
     Steps,
     TrialConfig,
 )
-
-
-class SearchAlgorithm(str, Enum):
-    grid = "grid"
-    random = "random"
-    optuna = "optuna"
-
-
-class Search(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    algorithm: SearchAlgorithm = SearchAlgorithm.grid
-    num_samples: PositiveInt | None = None
-    # null: tokens_per_s_per_device (metrics.search_metric); the plan checks a name is a metric
-    metric: str | None = None
-    mode: Literal["max", "min"] = "max"
-
-
-class Tracking(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    mlflow_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
-    experiment: str | None = None  # None: the study name
-
-
-class Workers(BaseModel):
-    """How a measured sweep starts its trials' worker processes (launch/warm.py)."""
-
-    model_config = ConfigDict(extra="forbid")
-    # True: consecutive trials of one worker shape (world size, resources per worker, hardware)
-    # share a warm group of worker processes and its process group; False: every trial starts its
-    # own (a cold Ray Train worker group), as before warm groups existed.
-    reuse: bool = True
-
-
-class NamedModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    name: str
-    dims: ModelDims
-
-
-def _positive(v: int) -> int:
-    if v <= 0:
-        raise ValueError("must be a positive integer")
-    return v
-
-
-# The largest world a spec may ask for. Published training runs reach tens of thousands of devices
-# (Llama 3: 16,384 H100s); 2**20 leaves room for any study of them and refuses a typo of 10**8
-# devices that the model would otherwise "predict" as 5x10**7 nodes.
-MAX_WORLD_SIZE = 1 << 20
-
-
-def _world_size(v: int) -> int:
-    _positive(v)
-    if v > MAX_WORLD_SIZE:
-        raise ValueError(f"at most {MAX_WORLD_SIZE:,} devices (2**20); published runs use up to "
-                         "tens of thousands")
-    return v
-
-
-def _zero_stage(v: int) -> int:
-    if v not in (0, 1, 2, 3):
-        raise ValueError("must be one of 0, 1, 2, 3 (DeepSpeed ZeRO stage)")
-    return v
-
-
-# Per-element checks, so an error names the offending list element (zero_stage[1]) and its value.
-PosInt = Annotated[int, AfterValidator(_positive)]
-WorldSize = Annotated[int, AfterValidator(_world_size)]
-ZeroStage = Annotated[int, AfterValidator(_zero_stage)]
-
-
-def _as_list(v: Any) -> list:
-    """Sweepable axes take a scalar or a list; both are stored as a non-empty list."""
-    if isinstance(v, list):
-        if not v:
-            raise ValueError("an axis list must not be empty")
-        return v
-    return [v]
-
-
-class Ensemble(BaseModel):
-    """One large model or several smaller ones on the same devices (plan/ensemble.py,
-    sweep/ensemble.py): for each member count k, k independent members train at the same time, each
-    on world_size / k devices with its own layout, beside the study's own trial on all world_size
-    devices (the single model). The layout keys below are the members'; omitted, the single
-    model's."""
-
-    model_config = ConfigDict(extra="forbid")
-    members: list[PosInt] = Field(description=(
-        "Member counts k: each runs k members at once, each on world_size / k devices (every world "
-        "size must divide by every k); k = 1 with the study's own model is the single model."))
-    # Stored as written (a catalogue name or dims, as `model:`), resolved by member_models().
-    member_model: list[str | dict[str, Any]] | None = Field(None, description=(
-        "The members' model, or a list of models compared in turn: a catalogue name or a dims "
-        "mapping, as `model:`; null: the study's model."))
-    token_budget: PositiveFloat = Field(1e12, description=(
-        "Tokens each model trains on, for time_to_budget_s and energy_to_budget_j (the single "
-        "model and every member alike)."))
-    zero_stage: ZeroStage | None = Field(None, description="Members' ZeRO stage; null: the single's.")
-    tp: PosInt | None = Field(None, description="Members' TP degree; null: the single model's.")
-    pp: PosInt | None = Field(None, description="Members' PP degree; null: the single model's.")
-    micro_batch: PosInt | None = Field(None, description="Members' micro-batch; null: the single's.")
-    global_batch: PosInt | None = Field(None, description=(
-        "Members' global batch in sequences; omitted: the single model's; written as null: weak "
-        "scaling (micro_batch x dp of each member)."))
-
-    @field_validator("members", mode="after")
-    @classmethod
-    def _distinct_members(cls, v: list[int]) -> list[int]:
-        if len(set(v)) != len(v):
-            raise ValueError(f"member counts {v} repeat a value; list each k once")
-        return sorted(v)
-
-    @field_validator("member_model", mode="before")
-    @classmethod
-    def _member_models_resolve(cls, v: Any) -> list | None:
-        if v is None:
-            return None
-        for x in _as_list(v):
-            _resolve_model(x)  # the same errors as `model:`
-        return [x.model_dump() if isinstance(x, NamedModel) else x for x in _as_list(v)]
-
-    def member_models(self, study_models: list[NamedModel]) -> list[NamedModel]:
-        return [_resolve_model(x) for x in self.member_model] if self.member_model else study_models
-
-    def overrides(self) -> dict[str, Any]:
-        """The members' layout axes given in the spec (global_batch: null given means weak)."""
-        keys = ("zero_stage", "tp", "pp", "micro_batch")
-        out = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
-        if "global_batch" in self.model_fields_set:
-            out["global_batch"] = self.global_batch
-        return out
-
-
-def check_ensemble(ens: Ensemble, data: dict[str, Any]) -> Ensemble:
-    """An ensemble study compares, per world size N, one single-model trial with k members on N / k
-    devices each, started together on warm worker groups: one grid point per N, every k dividing
-    every N, and no feature those groups lack (checkpoints, elastic sizes, a search's sampling)."""
-    swept = [a for a in AXES if a != "world_size" and len(data.get(a) or [None]) > 1]
-    if swept:
-        raise ValueError(f"the single model is one trial per world size, but {swept[0]} lists "
-                         f"{len(data[swept[0]])} values; give one (the members' own layout goes "
-                         "under ensemble: zero_stage, tp, pp, micro_batch, global_batch)")
-    for n in data.get("world_size") or []:
-        bad = [k for k in ens.members if n % k]
-        if bad:
-            raise ValueError(f"world_size {n} does not divide into {bad[0]} members of equal "
-                             f"shares; list member counts that divide every world size")
-    ft, search = data.get("fault_tolerance"), data.get("search")
-    if data.get("elastic") is not None or (ft is not None and ft.max_failures > 0):
-        raise ValueError("ensemble members run on warm worker groups, which keep no checkpoints "
-                         "and do not resize; leave elastic out and fault_tolerance.max_failures 0")
-    if search is not None and search.algorithm is not SearchAlgorithm.grid:
-        raise ValueError("an ensemble study runs every comparison; use search: {algorithm: grid}")
-    return ens
 
 
 class StudySpec(BaseModel):
@@ -282,7 +124,7 @@ class StudySpec(BaseModel):
     )
     @classmethod
     def _listify(cls, v: Any) -> list:
-        return _as_list(v)
+        return as_list(v)
 
     @field_validator("activation_checkpointing", mode="before")
     @classmethod
@@ -290,7 +132,7 @@ class StudySpec(BaseModel):
         """`none`, `full`, `selective`, or a bool as older specs write it (false = none, true =
         full, so their trials keep their ids)."""
         words = {"none": False, "full": True}
-        return [words.get(x, x) if isinstance(x, str) else x for x in _as_list(v)]
+        return [words.get(x, x) if isinstance(x, str) else x for x in as_list(v)]
 
     @field_validator(*AXES, mode="after")
     @classmethod
@@ -328,8 +170,8 @@ class StudySpec(BaseModel):
     @field_validator("model", mode="before")
     @classmethod
     def _resolve_models(cls, v: list) -> list[NamedModel]:
-        models = [_resolve_model(x) for x in _as_list(v)]
-        _one_per_name([(m.name, m.dims) for m in models], "models with different dims",
+        models = [resolve_model(x) for x in as_list(v)]
+        one_per_name([(m.name, m.dims) for m in models], "models with different dims",
                       "name each one: {name: my-model, dims: {architecture: ..., hidden_size: ...}}")
         return models
 
@@ -337,8 +179,8 @@ class StudySpec(BaseModel):
     @classmethod
     def _resolve_hardware(cls, v: list, info) -> list[HardwareProfile]:
         spec_dir = info.data.get("spec_dir")
-        profiles = [resolve_hardware(x, spec_dir) for x in _as_list(v)]
-        _one_per_name([(h.name, h) for h in profiles], "different hardware profiles",
+        profiles = [resolve_hardware(x, spec_dir) for x in as_list(v)]
+        one_per_name([(h.name, h) for h in profiles], "different hardware profiles",
                       "edit the `name:` of one profile YAML (a calibrated profile keeps the "
                       "name of the catalogue entry it started from)")
         return profiles
@@ -363,70 +205,6 @@ def shown(value: Any) -> Any:
     if isinstance(value, (NamedModel, HardwareProfile)):
         return value.name
     return value.value if isinstance(value, Enum) else value
-
-
-def _one_per_name(named: list[tuple[str, Any]], what: str, fix: str) -> None:
-    """A name is its axis' column in the ledger, MLflow and every figure, and a trial's point
-    (resolve_point) finds its model and hardware by name: two of one name would run, be drawn and
-    be paired with predictions as one."""
-    first: dict[str, Any] = {}
-    for name, value in named:
-        if first.setdefault(name, value) != value:
-            raise ValueError(f"two {what} are both named {name!r}; {fix}")
-
-
-def _resolve_model(x: Any) -> NamedModel:
-    if isinstance(x, NamedModel):
-        return x
-    if isinstance(x, str):
-        if x not in catalog.model_names():
-            raise ValueError(
-                f"unknown model; choose one of {', '.join(catalog.model_names())}, "
-                "or give a mapping of dims (hidden_size, num_layers, num_heads, ...)"
-            )
-        return NamedModel(name=x, dims=catalog.get_model(x))
-    if isinstance(x, dict) and "dims" in x:
-        named = NamedModel(**x)
-        if named.name in catalog.model_names() and named.dims != catalog.get_model(named.name):
-            # a result row is rebuilt from the catalogue by its model name (spec.trial.config_from_row)
-            raise ValueError(f"{named.name!r} is a catalogue model with other dims; give this one "
-                             "a name of its own")
-        return named
-    if isinstance(x, dict):
-        try:
-            dims = ModelDims(**x)
-        except ValidationError as err:
-            e = err.errors()[0]
-            where = ".".join(map(str, e["loc"]))
-            msg = e["msg"].removeprefix("Value error, ")
-            raise ValueError(f"model dims: {where + ': ' if where else ''}{msg}") from None
-        name = f"custom-{dims.architecture}-h{dims.hidden_size}-l{dims.num_layers}"
-        return NamedModel(name=name, dims=dims)
-    raise ValueError("must be a catalogue name or a mapping of dims")
-
-
-def resolve_hardware(x: Any, spec_dir: Path | None = None) -> HardwareProfile:
-    """A catalogue name, a profile YAML path (also relative to the spec's folder) or a profile."""
-    if isinstance(x, HardwareProfile):
-        return x
-    if not isinstance(x, str):
-        raise ValueError("must be a catalogue name or a path to a hardware profile YAML")
-    if x in catalog.hardware_names():
-        return catalog.get_hardware(x)
-    candidates = [Path(x)] + ([spec_dir / x] if spec_dir else [])
-    for path in candidates:
-        if path.is_file():
-            try:
-                return catalog.load_hardware_file(path)
-            except ValidationError as err:  # (a subclass of ValueError: first)
-                e = err.errors()[0]
-                raise ValueError(
-                    f"profile {path}: {'.'.join(map(str, e['loc']))}: {e['msg']}"
-                ) from None
-    raise ValueError(
-        f"unknown hardware; choose one of {', '.join(catalog.hardware_names())}, "
-        "or a path to a profile written by `scalestudy calibrate`"
-    )
 
 
 def resolve_point(spec: StudySpec, axes: dict[str, Any]) -> dict[str, Any]:
@@ -459,80 +237,6 @@ def build_trial(spec: StudySpec, point: dict[str, Any]) -> PlannedTrial:
         return PlannedTrial(axes=axes, config=cfg)
     return PlannedTrial(axes=axes, config=cfg, reason=str(refusal),
                         reason_class=refusal.reason_class)
-
-
-def check_trial(spec: StudySpec, cfg: TrialConfig) -> None:
-    """What makes a trial of a valid spec unrunnable, beyond its degrees (checked by the layout)."""
-    hw = cfg.hardware_profile
-    cfg.layout.check_model(cfg.model_dims, cfg.seq_len, cfg.virtual_stages,
-                           cfg.first_stage_fewer_layers, cfg.last_stage_fewer_layers)
-    if cfg.precision not in hw.peak_tflops:
-        raise InfeasibleTrial(f"hardware {hw.name} has no {cfg.precision.value} peak figure",
-                              ReasonClass.precision)
-    if not hw.is_gpu and cfg.precision is Precision.fp16:
-        raise InfeasibleTrial("fp16 training needs a GPU; use bf16 or fp32 on CPU",
-                              ReasonClass.precision)
-    check_pipeline(cfg, measured=spec.backend is Backend.measure)
-    check_layout_options(cfg, measured=spec.backend is Backend.measure)
-    if spec.backend is Backend.measure:
-        # An elastic trial runs at whatever size the cluster holds: the check at its start
-        # (launch/placement.py) keeps its TP groups on one node.
-        cfg.layout.check_placement(hw.name, whole_nodes=spec.elastic is None)
-    if spec.elastic is not None:
-        check_elastic(spec.elastic, cfg.layout)
-
-
-def check_pipeline(cfg: TrialConfig, measured: bool) -> None:
-    """What a pipeline (pp > 1) needs beyond its stage split (Layout.check_model): a micro-batch per
-    stage at least, a count the interleaved schedule can round, and, measured (train/pipeline.py,
-    torch.distributed.pipelining), what the platform's pipeline implements."""
-    if cfg.pp == 1:
-        return
-    m, pp = cfg.grad_accum, cfg.pp
-    if m < pp:
-        raise InfeasibleTrial(
-            f"{m} micro-batch(es) per step (grad_accum) for pp {pp}: a pipeline schedule needs at "
-            "least one per stage; raise global_batch or lower micro_batch", ReasonClass.layout)
-    rounds = max(1, m // pp)
-    if cfg.schedule is PipelineSchedule.interleaved_1f1b and m % rounds:
-        raise InfeasibleTrial(
-            f"interleaved_1f1b runs micro-batches in rounds of pp {pp}: grad_accum {m} is not a "
-            f"multiple of its {rounds} rounds; choose a multiple of pp", ReasonClass.layout)
-    if not measured:
-        return
-    if cfg.zero_stage >= 2:
-        raise InfeasibleTrial(
-            f"ZeRO-{cfg.zero_stage} with pp {pp}: the schedule runs every micro-batch's backward "
-            "apart, so sharded gradients (and, at stage 3, weights) would be reduced (and "
-            "gathered) once per micro-batch; pipelines shard optimizer states only (ZeRO-0/1), "
-            "as DeepSpeed's and Megatron's do", ReasonClass.backend)
-    if cfg.model_dims.architecture != "llama":
-        raise InfeasibleTrial(
-            f"pp > 1 is measured for llama models only (train/pipeline.py splits Hugging Face "
-            f"Llama); {cfg.model} is a {cfg.model_dims.architecture} model", ReasonClass.backend)
-    if cfg.precision is Precision.fp16:
-        raise InfeasibleTrial("fp16 with pp > 1: the measured pipeline has no loss scaler; use "
-                              "bf16 or fp32", ReasonClass.precision)
-    if cfg.elastic is not None or cfg.fault_tolerance.max_failures > 0:
-        raise InfeasibleTrial("pp > 1 with fault tolerance or elastic sizes: the measured "
-                              "pipeline keeps no DeepSpeed checkpoint to resume from; leave "
-                              "fault_tolerance.max_failures at 0 and elastic out",
-                              ReasonClass.backend)
-
-
-def check_elastic(el: Elastic, layout: Layout) -> None:
-    """Every world size the trial may run at must keep the global batch exactly."""
-    if not el.min_workers <= layout.world_size <= el.max_workers:
-        raise InfeasibleTrial(f"world_size {layout.world_size} outside elastic "
-                              f"[{el.min_workers}, {el.max_workers}]", ReasonClass.elastic)
-    for w in range(el.min_workers, el.max_workers + 1):
-        try:
-            layout.resized(w)
-        except InfeasibleTrial as err:
-            raise InfeasibleTrial(
-                f"elastic world size {w} cannot keep the global batch: {err}; narrow "
-                "elastic.min_workers/max_workers or choose a global_batch every size divides",
-                ReasonClass.elastic) from None
 
 
 def _trial_config(spec: StudySpec, point: dict[str, Any], layout: Layout) -> TrialConfig:
@@ -607,40 +311,3 @@ def _layout_options(point: dict[str, Any]) -> dict[str, Any]:
             "recompute_granularity": (RecomputeGranularity.selective if selective
                                       else RecomputeGranularity.full),
             **{a: point.get(a, LAYOUT_DEFAULTS[a]) for a in LAYOUT_AXES}}
-
-
-# hardware.yaml's FP8 dense tensor-core peak (calibration key): the hardware that has FP8 GEMMs.
-FP8_PEAK_KEY = "fp8_dense_tflops"
-
-
-def check_layout_options(cfg: TrialConfig, measured: bool) -> None:
-    """What sequence/context parallelism, gather granularity, TP overlap and FP8 need; measured,
-    the trial body runs none of them yet (it would measure the default layout under their name)."""
-    def refuse(why: str, cls: ReasonClass = ReasonClass.layout) -> None:
-        raise InfeasibleTrial(why, cls)
-
-    if cfg.sequence_parallel and cfg.tp == 1:
-        refuse("sequence_parallel shards the TP group's activations: it needs tp > 1")
-    if cfg.tp_comm_overlap and cfg.tp == 1:
-        refuse("tp_comm_overlap overlaps TP collectives: it needs tp > 1")
-    if cfg.cp > 1 and cfg.dp % cfg.cp:
-        refuse(f"cp {cfg.cp} does not divide the {cfg.dp} ranks outside tp x pp (dp x cp)")
-    if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
-        refuse(f"cp {cfg.cp} splits each sequence into 2 x cp load-balanced chunks: seq_len "
-               f"{cfg.seq_len} is not a multiple of {2 * cfg.cp}", ReasonClass.model)
-    if cfg.gather_granularity is GatherGranularity.block and cfg.zero_stage != 3:
-        refuse(f"gather_granularity block is how ZeRO-3 gathers weights; zero_stage is "
-               f"{cfg.zero_stage}: use module (the default)")
-    hw = cfg.hardware_profile
-    if cfg.fp8 and not hw.calibration.get(FP8_PEAK_KEY):
-        refuse(f"fp8: hardware {hw.name} has no FP8 peak ({FP8_PEAK_KEY} in its calibration)",
-               ReasonClass.precision)
-    if cfg.fp8 and cfg.precision not in (Precision.bf16, Precision.fp16):
-        refuse(f"fp8 runs GEMMs in FP8 around a bf16/fp16 model; precision is "
-               f"{cfg.precision.value}", ReasonClass.precision)
-    if not measured:
-        return
-    chosen = [k for k, v in LAYOUT_DEFAULTS.items() if getattr(cfg, k) != v]
-    if chosen:
-        refuse(f"{', '.join(chosen)}: the measure backend's trial body runs the default layout "
-               "only (use backend simulate)", ReasonClass.backend)

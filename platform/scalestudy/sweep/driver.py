@@ -14,7 +14,8 @@ from pathlib import Path
 
 from scalestudy.metrics import Status, TrialResult
 from scalestudy.plan import PlanEntry
-from scalestudy.spec.study import Backend, SearchAlgorithm, StudySpec
+from scalestudy.spec.sections import SearchAlgorithm
+from scalestudy.spec.study import Backend, StudySpec
 from scalestudy.spec.trial import trial_name
 from scalestudy.sweep.ensemble import EnsembleSweep
 from scalestudy.sweep.progress import SweepProgress

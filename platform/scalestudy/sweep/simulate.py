@@ -19,7 +19,8 @@ import random
 from collections.abc import Callable
 
 from scalestudy.metrics import TrialResult, search_metric
-from scalestudy.spec.study import AXES, PlannedTrial, SearchAlgorithm, StudySpec
+from scalestudy.spec.sections import SearchAlgorithm
+from scalestudy.spec.study import AXES, PlannedTrial, StudySpec
 from scalestudy.sweep.progress import SweepProgress
 
 

@@ -9,7 +9,8 @@ from ray import tune
 from ray.tune import Callback
 
 from scalestudy.metrics import Status, TrialResult, search_metric
-from scalestudy.spec.study import AXES, PlannedTrial, SearchAlgorithm, StudySpec, build_trial, resolve_point
+from scalestudy.spec.sections import SearchAlgorithm
+from scalestudy.spec.study import AXES, PlannedTrial, StudySpec, build_trial, resolve_point
 from scalestudy.sweep.progress import SweepProgress
 from scalestudy.sweep.trainable import RESULT_KEY, trial_trainable
 from scalestudy.track import storage
