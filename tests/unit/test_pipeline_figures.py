@@ -9,7 +9,7 @@ import pytest
 
 from scalestudy.perfmodel import parallelism as par
 from scalestudy.perfmodel.compute import ComputeTimes
-from scalestudy.perfmodel.overlap import pipeline_bubble
+from scalestudy.perfmodel.overlap import fill_speedup, pipeline_bubble
 from scalestudy.perfmodel.params import params_for
 from scalestudy.spec.load import validate_spec
 from scalestudy.spec.study import expand
@@ -106,6 +106,15 @@ def test_bubble_with_each_ranks_blocks():
     assert math.isclose(pipeline_bubble(slot, CT, 4, 2, 2, (2, 2))[1], 0.3)
 
 
+def test_fill_and_drain_run_at_the_speed_of_a_less_busy_node():
+    assert fill_speedup(2, 2.0) == 2.0  # two stages fill and drain alone
+    assert math.isclose(fill_speedup(4, 2.0), 2.0 / (1 + 1 / 3))
+    assert fill_speedup(8, 1.0) == 1.0  # GPUs share nothing: no speed-up
+    slot = CT.micro_batch_s + 0.1  # 0.1 s of blocking communication a micro-batch
+    assert math.isclose(pipeline_bubble(slot, CT, 4, 2, 1, None, 2.0)[1], 0.1 + 1.5 / 2)
+    assert math.isclose(pipeline_bubble(slot, CT, 4, 2, 1, (2, 2), 2.0)[1], 0.1 + 0.6 / 2)
+
+
 def test_p2p_operations_and_bytes_per_rank():
     p = params_for(_cfg(world_size=2, pp=2, global_batch=4).hardware_profile)
     for spec, ops in [({"world_size": 2, "pp": 2, "global_batch": 4}, 8),
@@ -133,3 +142,23 @@ def test_pipeline_blocks_per_rank():
     assert par.pipeline_blocks(cfg) == (2, 2)
     assert par.pipeline_blocks(_cfg(world_size=2, pp=2, global_batch=4,
                                     last_stage_fewer_layers=2)) == (3, 1)
+
+
+def test_bf16_stage_parameters_step_from_fp32_masters():
+    """A 16-bit stage steps as DeepSpeed's bf16 does: Adam on fp32 masters, the parameters their
+    16-bit copies, so an update too small for bf16 still accumulates in the master."""
+    import torch
+
+    from scalestudy.train.stage_replicas import ReplicaOptimizer
+
+    cfg = _cfg(world_size=2, pp=2, global_batch=4)
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = ReplicaOptimizer([p], cfg, dp_group=None, dp_size=1, dp_rank=0)
+    assert opt.masters[0].dtype == torch.float32
+    for _ in range(3):
+        p.grad = torch.full((4,), 1.0, dtype=torch.bfloat16)
+        opt.step()
+        assert p.grad is None
+    # AdamW's first steps move each weight by ~lr (1e-3): 1 - 3e-3 in fp32, rounded to bf16
+    assert torch.allclose(opt.masters[0], torch.full((4,), 1 - 3e-3), atol=1e-5)
+    assert p.dtype == torch.bfloat16 and torch.equal(p.data, opt.masters[0].to(torch.bfloat16))

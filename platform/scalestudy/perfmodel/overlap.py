@@ -49,8 +49,19 @@ def _exposed(comms: list[par.Comm], phase: str, window_s: float) -> tuple[float,
     return exposed, total - exposed
 
 
+def fill_speedup(pp: int, shared_node_slowdown: float) -> float:
+    """How much faster the fill and drain compute than the steady state: there, on average half
+    the stages compute at once, where params.shared_node_slowdown prices every device of a node
+    busy (CPU cores sharing caches and memory bandwidth; 1 on GPUs). Linear in the devices busy,
+    1 when one is: pp = 2 fills and drains alone, at the lone device's speed."""
+    if shared_node_slowdown <= 1.0 or pp < 2:
+        return 1.0
+    busy = max(0.0, pp / 2 - 1) / (pp - 1)  # share of the node's other devices busy with it
+    return shared_node_slowdown / (1.0 + (shared_node_slowdown - 1.0) * busy)
+
+
 def pipeline_bubble(slot: float, ct: ComputeTimes, m: int, pp: int, virtual: int,
-                    blocks: tuple[int, ...] | None) -> tuple[float, float]:
+                    blocks: tuple[int, ...] | None, speedup: float = 1.0) -> tuple[float, float]:
     """(pace, bubble): the slot of the pipeline rank that paces the others and the seconds of fill
     and drain per step, from ``slot``, one micro-batch's compute and blocking communication on the
     stage ct describes (the last: it runs the LM head, with num_layers / pp blocks).
@@ -59,20 +70,22 @@ def pipeline_bubble(slot: float, ct: ComputeTimes, m: int, pp: int, virtual: int
     blocks: rank r's slot is ct's less the blocks it lacks and, but for the last rank, the head
     and loss (ct's time outside its blocks); the slowest rank paces, and every other rank's slot is
     filled and drained once: the pipeline runs m * pace + (sum of the slots - pace) / V, which is
-    (m + pp - 1) slots when balanced."""
+    (m + pp - 1) slots when balanced. The compute of the filled and drained slots runs ``speedup``
+    times faster (fill_speedup)."""
     if pp == 1:
         return slot, 0.0
+    comm = max(0.0, slot - ct.micro_batch_s)  # exposed and blocking communication of a slot
     if not blocks:
-        return slot, (pp - 1) * slot / virtual
+        return slot, (pp - 1) * (comm + ct.micro_batch_s / speedup) / virtual
     per_block = ct.block_forward_s + ct.block_backward_s
     if ct.stage_layers:
         per_block += ct.recompute_s / ct.stage_layers
     outside = max(0.0, ct.micro_batch_s - ct.stage_layers * per_block)  # head, loss, their ops
-    last = ct.stage_layers * per_block + outside
-    slots = [max(0.0, slot - last + n * per_block + (outside if r == pp - 1 else 0.0))
-             for r, n in enumerate(blocks)]
+    compute = [n * per_block + (outside if r == pp - 1 else 0.0) for r, n in enumerate(blocks)]
+    slots = [comm + c for c in compute]
     pace = max(slots)
-    return pace, (sum(slots) - pace) / virtual
+    filled = sum(comm + c / speedup for c in compute) - (comm + compute[slots.index(pace)] / speedup)
+    return pace, filled / virtual
 
 
 def step_time(ct: ComputeTimes, comms: list[par.Comm], grad_accum: int, pp: int,
@@ -102,7 +115,7 @@ def step_time(ct: ComputeTimes, comms: list[par.Comm], grad_accum: int, pp: int,
     exp_last, hid_last = _exposed(comms, par.LAST_BACKWARD, spare)
     after = sum(c.time_s for c in comms if c.phase == par.AFTER_STEP)
     pace, bubble = pipeline_bubble(slot, ct, m, pp, virtual_stages or p.pipeline_virtual_stages,
-                                   blocks)
+                                   blocks, fill_speedup(pp, p.shared_node_slowdown))
     compute_mb += pace - slot  # the pacing rank's compute (unequal stages; 0 when balanced)
     compute = m * compute_mb + ct.optimizer_s + slow * hid_last
     exposed = m * (exp_f + exp_b + blocking_mb) + exp_last + after

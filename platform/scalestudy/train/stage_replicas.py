@@ -9,6 +9,8 @@ keeps Adam's states and steps it, and each owner then broadcasts its updated par
 group in one flat buffer: the all_gather of the updated weights that ZeRO-1 adds (a broadcast per
 owner carries the same bytes). Written here rather than torch's ZeroRedundancyOptimizer because the
 tensor-parallel shards are DTensors, which it does not flatten; this works on their local tensors.
+bf16: fp32 master weights and Adam states (on the owner only, under ZeRO-1), as DeepSpeed's bf16
+keeps them; the gradients accumulate over micro-batches in bf16 (DeepSpeed accumulates in fp32).
 """
 
 from __future__ import annotations
@@ -31,9 +33,14 @@ class ReplicaOptimizer:
         self.params, self.group, self.dp, self.dp_rank = params, dp_group, dp_size, dp_rank
         self.zero1 = cfg.zero_stage == 1 and dp_size > 1
         self.owner = _owners(params, dp_size) if self.zero1 else [dp_rank] * len(params)
-        mine = [p for p, o in zip(params, self.owner) if o == dp_rank]
+        self.mine = [p for p, o in zip(params, self.owner) if o == dp_rank]
+        # 16-bit parameters train as DeepSpeed's bf16 does: fp32 master weights and Adam states,
+        # the parameters a 16-bit copy of their masters after each step (the memory too).
+        self.masters = ([torch.nn.Parameter(local(p).detach().float()) for p in self.mine]
+                        if self.mine and self.mine[0].dtype != torch.float32 else None)
         kwargs = {k: v for k, v in optimizer_config(cfg)["params"].items() if k != "torch_adam"}
-        self.optimizer = torch.optim.AdamW(mine, **kwargs) if mine else None
+        self.optimizer = (torch.optim.AdamW(self.masters or self.mine, **kwargs) if self.mine
+                          else None)
 
     def reduce_gradients(self) -> None:
         """One flat all_reduce of every local gradient over the dp group, then / dp."""
@@ -48,7 +55,14 @@ class ReplicaOptimizer:
 
     def step(self) -> None:
         if self.optimizer is not None:
+            if self.masters:
+                for m, p in zip(self.masters, self.mine):
+                    m.grad = local(p.grad).float()
             self.optimizer.step()
+            if self.masters:
+                with torch.no_grad():
+                    for m, p in zip(self.masters, self.mine):
+                        local(p).copy_(m)
         if self.zero1:
             self._gather_updated()
         for p in self.params:
