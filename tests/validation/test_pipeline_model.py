@@ -39,6 +39,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.quiet_machine]
 
 WARMUP, STEPS = 2, 6
 BUBBLE_TOLERANCE = 0.05
+# A run whose step times spread wider than this (p90 / median) was disturbed by another process: its
+# idle time inside the step is not the schedule's, so it is reported and not scored (as
+# test_measured_cpu.py does with its held-out trials).
+STEADY_JITTER = 1.10
 # Issue 33 asks MAPE <= 20%. Measured 2026-12-06 (load 1.2-1.6): 22% (+14, +17, +32, +26%), and
 # the compute model alone over-predicts these blocks by 22-35% (per-block time against the stages'
 # measured busy time; the pp = 1 DeepSpeed twin of the 1F1B trial by +20% at world 1): what is left
@@ -149,15 +153,23 @@ def test_gpipe_bubble_follows_narayanan(measured):
     from scalestudy.train.pipeline_summary import PipelineReading
 
     print("\nGPIPE, pp 2: bubble fraction measured (per stage) vs (p-1)/(m+p-1)")
-    misses = []
+    misses, disturbed = [], []
     for name in BUBBLE:
         r = PipelineReading(**measured[name]["reading"])
         stages = ", ".join(f"{s.bubble_fraction:.3f}" for s in r.stages)
         print(f"  {name}: {r.bubble_fraction:.3f} ({stages}) vs {r.expected_bubble_fraction:.3f}; "
               f"imbalance {r.stage_imbalance:.3f}, p2p {r.p2p_ops:.0f} ops {r.p2p_bytes / 1e6:.2f} MB "
               f"{r.p2p_time_s * 1e3:.1f} ms blocked, step {statistics.median(measured[name]['times']):.3f} s")
-        if abs(r.bubble_fraction - r.expected_bubble_fraction) > BUBBLE_TOLERANCE:
+        times = sorted(measured[name]["times"])
+        jitter = times[int(0.9 * (len(times) - 1))] / statistics.median(times)
+        if jitter > STEADY_JITTER:  # another process took the cores mid-window: idle time not ours
+            print(f"    disturbed (step p90/median {jitter:.2f}): not scored")
+            disturbed.append(name)
+        elif abs(r.bubble_fraction - r.expected_bubble_fraction) > BUBBLE_TOLERANCE:
             misses.append(name)
+    if len(disturbed) == len(BUBBLE):
+        pytest.skip(f"every gpipe run was disturbed (step p90/median > {STEADY_JITTER}): no bubble "
+                    "measured on this machine now")
     assert not misses, misses
 
 
@@ -176,9 +188,10 @@ def test_first_stage_holds_more_memory_under_1f1b(measured):
     assert first.activation_peak_gib >= last.activation_peak_gib
 
 
-@pytest.mark.xfail(strict=False, reason="issue 33 is not finished: the pipeline terms calibrated on "
-                   "CPU predicted the out-of-sample pp trials +76% to +122% slow in the lead's last "
-                   "run (2026-12-06, AMD EPYC); kept running so the figures print, not yet a bound")
+@pytest.mark.xfail(strict=False, reason="issue 33 is not finished: quiet, the calibrated model "
+                   "predicts these pp trials +14/+17/+32/+26% (MAPE 22%; 2026-12-06, AMD EPYC, load "
+                   "1.2-1.6), its per-block compute alone +22-35% (a +76-122% run had calibrated "
+                   "under load); kept running so the figures print")
 def test_model_out_of_sample(calibrated, measured):
     from scalestudy.perfmodel.predict import predict
 
