@@ -77,7 +77,7 @@ def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], title
     """A table of rows (tables.render) after --sort, --top and --columns."""
     if chosen:
         columns = [c.strip() for c in chosen.split(",") if c.strip()]
-        known = {k for r in rows for k in r} | set(columns[:0])
+        known = {k for r in rows for k in r}
         unknown = [c for c in columns if rows and c not in known]
         if unknown:
             fail(SpecError("--columns", ",".join(unknown),

@@ -28,21 +28,27 @@ def test_cpu_utilization_empty_window_is_nan():
     assert cpu_utilization(1.0, 0.0) != cpu_utilization(1.0, 0.0)
 
 
+class PolledNvml:
+    """NVML of devices whose utilization is only polled (no nvmlDeviceGetSamples), one rate each."""
+
+    def __init__(self, rates: list[int]):
+        self.rates = rates
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return len(self.rates)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return SimpleNamespace(gpu=self.rates[h], memory=0)
+
+
 def test_nvml_utilization_mean_per_device():
-    class Nvml:
-        def nvmlInit(self):
-            pass
-
-        def nvmlDeviceGetCount(self):
-            return 2
-
-        def nvmlDeviceGetHandleByIndex(self, i):
-            return i
-
-        def nvmlDeviceGetUtilizationRates(self, h):
-            return SimpleNamespace(gpu=[40, 90][h], memory=0)
-
-    u = NvmlUtilization(Nvml(), interval_s=0.005)
+    u = NvmlUtilization(PolledNvml([40, 90]), interval_s=0.005)
     u.start()
     time.sleep(0.03)
     assert u.stop() == pytest.approx({"gpu0": 40.0, "gpu1": 90.0})
@@ -132,20 +138,7 @@ def test_nvml_polled_where_the_driver_keeps_no_buffer_rarely_and_once_at_stop():
     a window shorter than the poll period still has its figure."""
     from scalestudy.measure.utilization import POLL_S
 
-    class Polled:
-        def nvmlInit(self):
-            pass
-
-        def nvmlDeviceGetCount(self):
-            return 1
-
-        def nvmlDeviceGetHandleByIndex(self, i):
-            return i
-
-        def nvmlDeviceGetUtilizationRates(self, h):
-            return SimpleNamespace(gpu=70, memory=0)
-
-    u = NvmlUtilization(Polled())
+    u = NvmlUtilization(PolledNvml([70]))
     assert not u.buffered and u.interval_s == POLL_S >= 1.0
     u.start()
     assert u.stop() == {"gpu0": 70.0}
