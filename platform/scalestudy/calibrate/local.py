@@ -48,15 +48,22 @@ def _run_rank(config: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     threads = torch.get_num_threads()
+    from scalestudy.train import reentry
+
     init_process_group(cfg, int(os.environ.get("LOCAL_RANK", "0")))  # gloo, one thread
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # progress lines, not engine logs
     warnings.filterwarnings("ignore", category=FutureWarning)  # deprecation notes per collective
+    # World 1 runs in the caller's process: the engines below leave DeepSpeed's group globals
+    # pointing at this process group, and a second calibration in the same process (a test
+    # session, a notebook) would broadcast over the destroyed one. Put them back as a trial does.
+    clean = reentry.snapshot()
     try:
         res = benchmarks(config)
         if dist.get_world_size() > 1:
             res.update(_pipeline_benchmarks(config))
         return res
     finally:
+        reentry.end_trial(clean)
         dist.destroy_process_group()
         torch.set_num_threads(threads)
 
