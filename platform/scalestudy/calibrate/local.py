@@ -58,10 +58,7 @@ def _run_rank(config: dict[str, Any]) -> dict[str, Any]:
     # session, a notebook) would broadcast over the destroyed one. Put them back as a trial does.
     clean = reentry.snapshot()
     try:
-        res = benchmarks(config)
-        if dist.get_world_size() > 1:
-            res.update(_pipeline_benchmarks(config))
-        return res
+        return benchmarks(config)
     finally:
         reentry.end_trial(clean)
         dist.destroy_process_group()
@@ -82,35 +79,6 @@ def _alone(config: dict[str, Any]) -> dict[str, Any]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def _pipeline_benchmarks(config: dict[str, Any]) -> dict[str, Any]:
-    """What pipelines add to the shared run: the send/recv curve between two ranks (merged into
-    the collectives' curves: busbw_gbps_send_recv) and the pipeline reference step at pp = world,
-    which the profile records beside the other reference steps (its in-sample check)."""
-    import torch.distributed as dist
-
-    quick = config["quick"]
-    say = Progress(dist.get_rank() == 0, f"ws{dist.get_world_size()}", config.get("progress"))
-    sizes = reference_step.QUICK_P2P_SIZES_BYTES if quick else reference_step.P2P_SIZES_BYTES
-    curve = say(f"send/recv ({len(sizes)} sizes)",
-                lambda: reference_step.p2p_curve(sizes, iters=8 if quick else 20))
-    step_s = {p: say(f"pipeline reference step {p} at pp {dist.get_world_size()}",
-                     lambda p=p: reference_step.measure_pipeline_step_s(p, 10 if quick else 20))
-              for p in config["precisions"]}
-    return {"send_recv_curve": curve, "reference_step_pp_s": step_s}
-
-
-def _with_pipeline(profile: HardwareProfile, shared: dict[str, Any] | None) -> HardwareProfile:
-    """The profile with the pipeline benchmarks of the shared run, when it measured them."""
-    if not shared or "send_recv_curve" not in shared:
-        return profile
-    cal = dict(profile.calibration)
-    cal["busbw_gbps_send_recv"] = shared["send_recv_curve"]
-    world = shared["world_size"]
-    for prec, step_s in shared["reference_step_pp_s"].items():
-        cal[f"reference_step_s_{prec}_ws{world}_pp{world}"] = step_s
-    return profile.model_copy(update={"calibration": cal})
 
 
 class _Ranks:
@@ -191,7 +159,7 @@ def calibrate_local(base: HardwareProfile, quick: bool = False, precisions: list
         if ranks:
             ranks.stop()
         raise
-    return _with_pipeline(build_profile(base, alone, shared), shared)
+    return build_profile(base, alone, shared)
 
 
 def _import_all() -> None:

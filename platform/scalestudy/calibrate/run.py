@@ -27,6 +27,8 @@ What is measured, and which performance-model figure it replaces (perfmodel/para
     above reproduces those steps (calibrate/reference_step.py says why the parts do not add up);
     and the same step AutoTP-sharded over every worker (tp = world): tp_collective_overhead_s, what
     each TP all-reduce costs inside a step beyond its lock-step benchmark.
+  * Pipelines, in the shared run: the send/recv curve between two ranks (busbw_gbps_send_recv) and
+    the pipeline reference step at pp = world (reference_step_s_<precision>_ws<n>_pp<n>).
   * Power: only where a meter exists (NVML); none on this machine, so the catalogue figures stay.
   * The network between nodes, with `--across-nodes N`: calibrate/across_nodes.py, after the above.
 Without Ray: calibrate/local.py runs the same benchmarks() in plain processes (`scalestudy calibrate
@@ -79,7 +81,8 @@ QUICK_SIZES_BYTES = [2**12, 2**16, 2**20, 2**22]
 def benchmarks(config: dict[str, Any]) -> dict[str, Any]:
     """Every benchmark for the process group this process is in (Ray Train's or calibrate/local.py's,
     gloo, one core per rank): the device benchmarks (world 1) or the collectives (more ranks), then
-    the reference step on every rank at once. Rank 0 prints one line per benchmark as it ends."""
+    the reference step on every rank at once, and with more ranks the pipeline benchmarks. Rank 0
+    prints one line per benchmark as it ends."""
     import torch.distributed as dist
 
     world, quick, precisions = dist.get_world_size(), config["quick"], config["precisions"]
@@ -115,7 +118,25 @@ def benchmarks(config: dict[str, Any]) -> dict[str, Any]:
             p: say(f"reference step {p} at tp {world}",
                    lambda p=p: reference_step.measure_step_s(p, steps=10 if quick else 20, tp=world))
             for p in precisions}
+        res.update(pipeline_benchmarks(config, say))
     return res
+
+
+def pipeline_benchmarks(config: dict[str, Any], say: "Progress") -> dict[str, Any]:
+    """What pipelines add to the shared run (both paths: Ray Train's workers and calibrate --local's
+    ranks): the send/recv curve between two ranks (merged into the collectives' curves:
+    busbw_gbps_send_recv) and the pipeline reference step at pp = world, which the profile records
+    beside the other reference steps (its in-sample check)."""
+    import torch.distributed as dist
+
+    quick = config["quick"]
+    sizes = reference_step.QUICK_P2P_SIZES_BYTES if quick else reference_step.P2P_SIZES_BYTES
+    curve = say(f"send/recv ({len(sizes)} sizes)",
+                lambda: reference_step.p2p_curve(sizes, iters=8 if quick else 20))
+    step_s = {p: say(f"pipeline reference step {p} at pp {dist.get_world_size()}",
+                     lambda p=p: reference_step.measure_pipeline_step_s(p, 10 if quick else 20))
+              for p in config["precisions"]}
+    return {"send_recv_curve": curve, "reference_step_pp_s": step_s}
 
 
 class Progress:
@@ -272,6 +293,10 @@ def build_profile(base: HardwareProfile, alone: dict, shared: dict | None,
         cal[f"reference_step_s_{prec}_ws{shared['world_size']}"] = step_s
     for prec, step_s in (shared.get("reference_step_tp_s", {}) if shared else {}).items():
         cal[f"reference_step_s_{prec}_ws{shared['world_size']}_tp{shared['world_size']}"] = step_s
+    if shared and "send_recv_curve" in shared:  # pipelines: absent from profiles written before
+        cal["busbw_gbps_send_recv"] = shared["send_recv_curve"]
+        for prec, step_s in shared["reference_step_pp_s"].items():
+            cal[f"reference_step_s_{prec}_ws{shared['world_size']}_pp{shared['world_size']}"] = step_s
     # The profile describes this platform's trials, whose TP is DeepSpeed AutoTP's (params.py).
     cal["tp_all_reduce_per_linear"] = 1.0
     data["calibration"] = cal
