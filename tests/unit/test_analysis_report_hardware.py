@@ -160,7 +160,9 @@ def test_a_given_profile_wins_over_the_one_found(root, tmp_path):
     given = calibrated_cpu_local(factor=3.0)
     rep = report(root, tmp_path / "out", profile=given)
     (measured, prec), (predicted, _) = trial_peaks(rep.path).values()
-    assert measured == predicted == pytest.approx(given.peak_tflops[Precision(prec)], rel=1e-6)
+    # approx for both: on a CPU without native bf16 the study runs fp32, whose peak comes out of a
+    # product (0.249 against 0.24900000000000003), so exact equality held on one CPU kind only
+    assert [measured, predicted] == pytest.approx([given.peak_tflops[Precision(prec)]] * 2, rel=1e-6)
     assert "profile given (--profile)" in rep.path.read_text()
 
 
