@@ -43,12 +43,14 @@ BUBBLE_TOLERANCE = 0.05
 # idle time inside the step is not the schedule's, so it is reported and not scored (as
 # test_measured_cpu.py does with its held-out trials).
 STEADY_JITTER = 1.10
-# Issue 33 asks MAPE <= 20%. Measured 2026-12-06 (load 1.2-1.6): 22% (+14, +17, +32, +26%), and
-# the compute model alone over-predicts these blocks by 22-35% (per-block time against the stages'
-# measured busy time; the pp = 1 DeepSpeed twin of the 1F1B trial by +20% at world 1): what is left
-# above 20% is not the pipeline's terms. The bound held here is the one the model meets today, so
-# that a pipeline term that breaks shows; ACCEPTANCE is printed against it.
-MAPE_BOUND, TRIAL_BOUND, ACCEPTANCE = 0.35, 0.50, 0.20
+# Issue 33's bound: MAPE <= 20% over the scored trials, none beyond 35%. History: 2026-12-06 (AMD
+# EPYC, native bf16) 22% (+14, +17, +32, +26%), the compute model over-predicting these blocks by
+# 22-35%. Three changes since (2026-12-07, AMD EPYC Zen 3 without native bf16, quiet): the stages
+# as the trial splits them (predict passes stage_layers and virtual stages to the step time),
+# attention rows chosen by tile shape, not batch x heads (compute.py), and pipeline_compute_factor
+# solved from the pipeline reference step by calibrate (params.py). Re-scored on one measured set:
+# 25.9% (blocks only), 21% (+ attention rows), 12.2% (+ the factor): -15, -3, +9, +22%.
+MAPE_BOUND, TRIAL_BOUND = 0.20, 0.35
 
 
 def _dims(h: int, layers: int, ffn: int, vocab: int, heads: int = 4) -> dict:
@@ -188,10 +190,6 @@ def test_first_stage_holds_more_memory_under_1f1b(measured):
     assert first.activation_peak_gib >= last.activation_peak_gib
 
 
-@pytest.mark.xfail(strict=False, reason="issue 33 is not finished: quiet, the calibrated model "
-                   "predicts these pp trials +14/+17/+32/+26% (MAPE 22%; 2026-12-06, AMD EPYC, load "
-                   "1.2-1.6), its per-block compute alone +22-35% (a +76-122% run had calibrated "
-                   "under load); kept running so the figures print")
 def test_model_out_of_sample(calibrated, measured):
     from scalestudy.perfmodel.predict import predict
 
@@ -201,7 +199,8 @@ def test_model_out_of_sample(calibrated, measured):
 
         cfg = reference_config("fp32", 2, pp=2).model_copy(
             update={"hardware_profile": calibrated, "hardware": calibrated.name})
-        print(f"\nIN SAMPLE: the pipeline reference step {ref:.4f} s, predicted "
+        print(f"\npipeline_compute_factor {calibrated.calibration.get('pipeline_compute_factor')}")
+        print(f"IN SAMPLE: the pipeline reference step {ref:.4f} s, predicted "
               f"{predict(cfg).step_time_s:.4f} s")
     print("\nOUT OF SAMPLE (pp 2, world 2): step time measured vs predicted")
     errors = {}
@@ -216,6 +215,6 @@ def test_model_out_of_sample(calibrated, measured):
               f"predicted {pred.step_time_s:.4f} s (bubble {pred.bubble_time_s / pred.step_time_s:.3f}"
               f" of it): {errors[name]:+.1%}")
     mape = statistics.fmean(abs(e) for e in errors.values())
-    print(f"  MAPE {mape:.1%} (issue 33's bound {ACCEPTANCE:.0%}: "
-          f"{'met' if mape <= ACCEPTANCE else 'not met'})")
+    print(f"  MAPE {mape:.1%} (issue 33's bound {MAPE_BOUND:.0%}: "
+          f"{'met' if mape <= MAPE_BOUND else 'not met'})")
     assert mape <= MAPE_BOUND and all(abs(e) <= TRIAL_BOUND for e in errors.values()), errors

@@ -45,6 +45,7 @@ REFERENCE = {"model": "llama2-calib", "micro_batch": 2, "seq_len": 192, "zero_st
 REFERENCE_GPU = {"model": "llama2-calib-gpu", "micro_batch": 2, "seq_len": 3072, "zero_stage": 0}
 WARMUP_STEPS = 3
 FACTOR_RANGE = (1.0, 8.0)  # a slowdown is at least 1; 8 only bounds the search
+PIPELINE_FACTOR_RANGE = (0.25, 4.0)  # faster or slower than the engine step: bounds only
 OVERHEAD_RANGE_S = (0.0, 0.01)  # per ZeRO-3 module run; 10 ms only bounds the search
 
 
@@ -174,16 +175,20 @@ def solve_factor(cfg: TrialConfig, name: str, measured_s: float, span: tuple[flo
 def factors(profile: HardwareProfile, base: str, alone_s: dict[str, float],
             shared_s: dict[str, float] | None = None, world: int = 1,
             zero3_alone_s: dict[str, float] | None = None,
-            tp_s: dict[str, float] | None = None) -> dict[str, float]:
+            tp_s: dict[str, float] | None = None,
+            pp_s: dict[str, float] | None = None) -> dict[str, float]:
     """in_step_slowdown, and shared_node_slowdown when a `world`-worker run measured the reference
     too, from the measured steps ({precision: seconds}) against `profile` (the microbenchmarks'
     profile, built on the catalogue profile `base`). With the reference also measured at ZeRO
     stage 3 on one device (GPU calibration), zero3_module_overhead_s: what stage 3 adds per module
     run at a world size of one, where it has nothing to communicate. With the reference measured
     at tp = world on the same ranks (CPU calibration), tp_collective_overhead_s: what each TP
-    all-reduce costs inside the step beyond its benchmarked time, the other factors fixed."""
-    def on(precision: str, world_size: int, zero_stage: int = 0, tp: int = 1) -> TrialConfig:
-        cfg = reference_config(precision, world_size, hardware=base, zero_stage=zero_stage, tp=tp)
+    all-reduce costs inside the step beyond its benchmarked time, the other factors fixed. With the
+    pipeline reference measured at pp = world, pipeline_compute_factor, last (params.py)."""
+    def on(precision: str, world_size: int, zero_stage: int = 0, tp: int = 1,
+           pp: int = 1) -> TrialConfig:
+        cfg = reference_config(precision, world_size, hardware=base, zero_stage=zero_stage, tp=tp,
+                               pp=pp)
         return cfg.model_copy(update={"hardware_profile": profile, "hardware": profile.name})
 
     out = {"in_step_slowdown": statistics.median(
@@ -199,4 +204,8 @@ def factors(profile: HardwareProfile, base: str, alone_s: dict[str, float],
         out["tp_collective_overhead_s"] = statistics.median(
             solve_factor(on(p, world, tp=world), "tp_collective_overhead_s", s, OVERHEAD_RANGE_S,
                          **out) for p, s in tp_s.items())
+    if pp_s and world > 1:
+        out["pipeline_compute_factor"] = statistics.median(
+            solve_factor(on(p, world, pp=world), "pipeline_compute_factor", s,
+                         PIPELINE_FACTOR_RANGE, **out) for p, s in pp_s.items())
     return out

@@ -307,7 +307,8 @@ def build_profile(base: HardwareProfile, alone: dict, shared: dict | None,
     cal.update(reference_step.factors(
         HardwareProfile(**data), base.name, alone["reference_step_s"],
         shared["reference_step_s"] if shared else None, shared["world_size"] if shared else 1,
-        tp_s=shared.get("reference_step_tp_s") if shared else None))
+        tp_s=shared.get("reference_step_tp_s") if shared else None,
+        pp_s=shared.get("reference_step_pp_s") if shared else None))
     return HardwareProfile(**data)
 
 

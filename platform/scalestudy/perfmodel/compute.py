@@ -117,11 +117,17 @@ def _curve_rate(curve: list[list[float]], flops: float) -> float:
     return curve[-1][1] * 1e12
 
 
-def _nearest_scaled(rows: list[list[float]], shape: tuple[float, ...], work) -> tuple[float, float]:
+def _nearest_scaled(rows: list[list[float]], shape: tuple[float, ...], work,
+                    batch_dims: int = 0) -> tuple[float, float]:
     """(forward, backward) seconds of the measured row nearest `shape` (log distance), scaled by the
-    ratio of work(shape) to work(row)."""
+    ratio of work(shape) to work(row). The first ``batch_dims`` dimensions count independent tiles
+    (attention's batch x heads), whose time is linear in them: they do not choose the row, so a
+    trial's micro-batch scales its time linearly instead of jumping to a row of another tile shape
+    (the kernel's rate per unit of work is set by the tile, sequence x head dim: on a 2-core AMD
+    EPYC the calibrated rows' rates differ 1.4x between head dims 16 and 32)."""
     def dist(r: list[float]) -> float:
-        return sum(abs(math.log(x / y)) for x, y in zip(shape, r))
+        tile = sum(abs(math.log(x / y)) for x, y in zip(shape[batch_dims:], r[batch_dims:len(shape)]))
+        return tile + 1e-3 * sum(abs(math.log(x / y)) for x, y in zip(shape[:batch_dims], r))
 
     row = min(rows, key=dist)
     k = work(*shape) / work(*row[:len(shape)])
@@ -233,7 +239,8 @@ def _attention(d: _Device, cfg: TrialConfig, p: ModelParams,
     causal_flops = 0.5 * 4.0 * tokens * s * dims.hidden_size / tp
     if p.fused_attention and d.attention_rows:
         shape = (cfg.micro_batch * dims.num_heads / tp, s, dims.head_dim)
-        fwd, bwd = _nearest_scaled(d.attention_rows, shape, lambda bh, q, hd: bh * q * q * hd)
+        fwd, bwd = _nearest_scaled(d.attention_rows, shape, lambda bh, q, hd: bh * q * q * hd,
+                                   batch_dims=1)
         return fwd, bwd, causal_flops, 2.5
     if p.fused_attention:
         # The fused backward recomputes QK^T: 2.5x the forward. A fused kernel's fixed cost per tile
@@ -290,6 +297,9 @@ def compute_times(cfg: TrialConfig, p: ModelParams) -> ComputeTimes:
         bwd += hooks * p.zero3_module_overhead_s
         layer_f += MODULES_PER_LAYER[dims.architecture] * p.zero3_module_overhead_s
         layer_b += MODULES_PER_LAYER[dims.architecture] * p.zero3_module_overhead_s
+    if cfg.pp > 1:  # a stage under torch pipelining, not a whole-model engine step (params.py)
+        fwd, bwd, recompute, layer_f, layer_b = (
+            x * p.pipeline_compute_factor for x in (fwd, bwd, recompute, layer_f, layer_b))
     if min(cfg.world_size, cfg.hardware_profile.gpus_per_node) > 1:
         shared = p.shared_node_slowdown  # every device of the node busy at once
         fwd, bwd, recompute, layer_f, layer_b = (

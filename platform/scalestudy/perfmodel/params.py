@@ -118,6 +118,14 @@ class ModelParams(BaseModel):
     # 2.2.2): the fill/drain bubble shrinks to (pp - 1) / V micro-batch slots and each micro-batch
     # crosses V times as many stage boundaries. 1: the plain 1F1B schedule.
     pipeline_virtual_stages: int = Field(1, ge=1)
+    # Compute of a pipeline stage's step against the same blocks priced as above (pp > 1 only).
+    # Calibrate (CPU) solves it from the pipeline reference step at pp = world (1F1B, every other
+    # factor fixed): a stage runs under torch.distributed.pipelining, without the DeepSpeed engine's
+    # hooks around the whole model, and holds half the blocks per process, so where the factors
+    # above were solved on a whole-model DeepSpeed step it runs faster (0.86 on a 2-core AMD EPYC
+    # without native bf16, 2026-12-07: the reference step measured 0.155 s, predicted 0.181 s
+    # without it). GPUs: 1 (not measured).
+    pipeline_compute_factor: float = Field(1.0, gt=0)
     # Network ---------------------------------------------------------------------------------
     # Achievable bus bandwidth / link rate for large messages, nccl-tests busbw
     # (tests/validation/data/nccl_published.yaml): NVLink: A100 all-reduce 230.8-232.5 of 300 GB/s

@@ -70,7 +70,10 @@ def simulate(cfg: TrialConfig, p: ModelParams | None = None) -> tuple[StepTime, 
     if cfg.cp > 1 or cfg.tp_comm_overlap:  # terms that need the compute times (layouts.py)
         comms = layouts.with_layout_comms(cfg, p, ct, comms)
     z3 = par.zero3_phases(cfg, p, ct) if cfg.zero_stage == 3 and cfg.dp > 1 else None
-    return step_time(ct, comms, cfg.grad_accum, cfg.pp, p, z3), comms
+    # The stages as the trial splits them (stage_layers, its chunks): an uneven split paces the
+    # pipeline at its heaviest rank, where balanced stages would under-predict the step.
+    return step_time(ct, comms, cfg.grad_accum, cfg.pp, p, z3, blocks=par.pipeline_blocks(cfg),
+                     virtual_stages=par.virtual_stages(cfg, p)), comms
 
 
 def predict(cfg: TrialConfig, hardware: HardwareProfile | None = None,
