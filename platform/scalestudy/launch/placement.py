@@ -163,3 +163,45 @@ def check_tp_nodes(cfg: TrialConfig) -> list[str]:
     if reason:
         raise RuntimeError(reason)
     return node_ids
+
+
+# The catalogue's accelerator types that name a memory size (A100-40G, A100-80G): Ray labels a node
+# with the GPU model only (accelerator_type:A100, from NVML's name), so only the launchers' node
+# types declare these (cluster/aws-a100.yaml). Matched within this fraction of the profile's memory:
+# NVML reports 79.6 GiB for an 80 GB A100 and 39.4 GiB for a 40 GB one.
+SIZED_MEMORY_TOLERANCE = 0.1
+
+
+def sized_accelerator_resources(devices: list[tuple[str, float]],
+                                profiles: list[HardwareProfile]) -> dict[str, float]:
+    """The sized accelerator resource that the machine's GPUs (NVML name, memory GiB) answer to,
+    e.g. {"accelerator_type:A100-80G": 1} for eight "NVIDIA A100-SXM4-80GB", else {} (no GPU, mixed
+    GPUs, or a model whose catalogue type is unsized, which Ray declares itself)."""
+    labels = set()
+    for name, memory_gib in devices:
+        matches = {p.accelerator_type for p in profiles
+                   if p.accelerator_type and "-" in p.accelerator_type
+                   and p.accelerator_type.split("-")[0] in name
+                   and abs(memory_gib - p.hbm_gib) <= SIZED_MEMORY_TOLERANCE * p.hbm_gib}
+        labels.add(matches.pop() if len(matches) == 1 else None)
+    if len(labels) != 1 or None in labels:
+        return {}
+    return {f"accelerator_type:{labels.pop()}": 1.0}
+
+
+def local_gpu_devices(nvml=None) -> list[tuple[str, float]]:
+    """(NVML name, memory GiB) of each GPU of this machine; [] where NVML is missing or fails (a CPU
+    machine). ``nvml``: a stand-in for tests."""
+    from scalestudy.measure.devices import load_nvml
+
+    try:
+        nvml = load_nvml(nvml)
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        return [(_text(nvml.nvmlDeviceGetName(h)), nvml.nvmlDeviceGetMemoryInfo(h).total / 2**30)
+                for h in handles]
+    except Exception:  # noqa: BLE001  ImportError without nvidia-ml-py, NVMLError without a driver
+        return []
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -12,7 +12,9 @@ from pathlib import Path
 from scalestudy.metrics import Status, TrialResult
 from scalestudy.spec.trial import TrialConfig
 from scalestudy.launch.placement import (HEALTH_CHECK_ENV, LOCAL_HEALTH_CHECK_S,
-                                        health_check_interval_s, local_shortfall, placement_for)
+                                        health_check_interval_s, local_gpu_devices, local_shortfall,
+                                        placement_for, sized_accelerator_resources)
+from scalestudy.spec import catalog
 from scalestudy.train.result import failure_reason, summarize
 
 # Ray Train v2's controller polls workers every 2 s by default, which adds ~2 s to each report and
@@ -29,6 +31,14 @@ def ensure_ray(verbose: bool = False, **init_kwargs) -> None:
         return
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
+    if not os.environ.get("RAY_ADDRESS"):
+        # A Ray of our own on a GPU machine: declare the sized accelerator type the catalogue's
+        # profile asks for (A100-80G), which Ray does not (launch/placement.py), or an A100 trial
+        # would be turned away as unplaceable. Resources the caller gives win.
+        sized = sized_accelerator_resources(
+            local_gpu_devices(), [catalog.get_hardware(n) for n in catalog.hardware_names()])
+        if sized:
+            init_kwargs["resources"] = {**sized, **(init_kwargs.get("resources") or {})}
     ray.init(
         address=os.environ.get("RAY_ADDRESS") or None,
         runtime_env={"env_vars": {k: os.environ[k] for k in RAY_ENV}},
