@@ -76,6 +76,11 @@ def predicted_twins(df: pd.DataFrame, profile: Profiles = None,
     note += " with " + "; ".join(used.values())
     if skipped:
         note += f"; {skipped} measured rows have a model or hardware outside the catalogue"
+    from scalestudy.perfmodel.coverage import summary
+
+    leans = summary([r.uncalibrated for r in out])
+    if leans:  # what the comparison's predicted side took from outside the calibration
+        note += f". {leans}"
     return results_frame(out), note, used
 
 

@@ -253,6 +253,7 @@ PREDICT_COLUMNS = ["trial", "status", "model", "hardware", "world_size", "dp", "
 def predict(spec: SpecArg, set_: SetOpt = None, json_: JsonOpt = False, sort: SortOpt = None,
             top: TopOpt = None, columns: ColumnsOpt = None) -> None:
     """Predict every trial of a spec with the performance model (any backend, any scale)."""
+    from scalestudy.perfmodel import coverage
     from scalestudy.perfmodel.predict import predict_many
     from scalestudy.spec.trial import trial_name
 
@@ -265,6 +266,9 @@ def predict(spec: SpecArg, set_: SetOpt = None, json_: JsonOpt = False, sort: So
             for r in results]
     print_table(rows, PREDICT_COLUMNS, title=f"{spec} (predicted)", sort=sort, top=top,
                 chosen=columns)
+    leans = coverage.summary([r.uncalibrated for r in results])
+    if leans:  # each row's own list: --json, the ledger's `uncalibrated` column
+        note(leans)
 
 
 # The commands that write hardware profiles live in cli_tools.py (this module's length).

@@ -50,7 +50,8 @@ def fail(err: SpecError) -> NoReturn:
 
 
 def note(text: str) -> None:
-    sys.stderr.write(f"note: {text}\n")
+    """A note on stderr, folded at spaces to the terminal's width (a number is never split)."""
+    sys.stderr.write("\n".join(tables.fold(f"note: {text}", width())) + "\n")
 
 
 def say(text: str = "") -> None:

@@ -11,7 +11,8 @@ from typing import Annotated, Optional
 import typer
 
 from scalestudy import metrics as M
-from scalestudy.cli_common import JsonOpt, emit_json, fail, print_table, say
+from scalestudy import tables
+from scalestudy.cli_common import JsonOpt, emit_json, fail, print_table, say, width
 from scalestudy.tables import fmt
 from scalestudy.errors import SpecError
 
@@ -45,6 +46,7 @@ def plan(
     json_: JsonOpt = False,
 ) -> None:
     """Rank every layout of a model on N devices by the model (measure the best with a sweep)."""
+    from scalestudy.perfmodel import coverage
     from scalestudy.plan.space import PlanRequest, rank, refusals, table_rows
 
     t0 = time.time()
@@ -70,6 +72,10 @@ def plan(
         f"best {min(top_k, feasible)} by {req.objective.value} (predicted, not measured; low/high: "
         f"the model's validation error for the layout's family)"))
     _families(rows)
+    leans = coverage.summary([r["uncalibrated"] for r in rows])
+    if leans:
+        for line in tables.fold(f"note: {leans}", width()):
+            say(line)
     for cls, count, example in refusals(ranked):
         say(f"refused ({cls}): {count:,} layouts, e.g. {example}")
     if not dry_run:

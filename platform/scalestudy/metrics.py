@@ -267,6 +267,9 @@ class TrialResult(ConfigColumns):
     step_times_s: list[float] = Field(default_factory=list)
     losses: list[float] = Field(default_factory=list)
     missing: dict[str, str] = Field(default_factory=dict)  # metric -> why it is NaN
+    # A prediction's figures that its profile did not calibrate (perfmodel/coverage.py), one line
+    # each; empty for a measured row and for a prediction on calibrated figures only.
+    uncalibrated: list[str] = Field(default_factory=list)
     extra: dict[str, Any] = Field(default_factory=dict)  # backend-specific details (e.g. ds config)
     # One large model or several smaller ones (issue 36): None / NaN outside an ensemble study.
     ensemble_id: str | None = None

@@ -156,6 +156,11 @@ def render(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], width: int
     return Rendered(lines, constants, hidden)
 
 
+def fold(text: str, width: int) -> list[str]:
+    """Prose for the terminal outside a table (notes): folded as a table's notes are."""
+    return _prose(text, width)
+
+
 def _prose(text: str, width: int) -> list[str]:
     """A line of prose folded at spaces only, so a number or a name is never split."""
     return textwrap.wrap(text, width=width, break_long_words=False, break_on_hyphens=False) or [""]

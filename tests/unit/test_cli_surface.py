@@ -67,8 +67,8 @@ def test_predict_tables_never_split_a_number(spec, columns):
     runner = CliRunner()
     res = runner.invoke(app, ["predict", str(spec)], env={"COLUMNS": str(columns)})
     assert res.exit_code == 0, res.output
-    rows = runner.invoke(app, ["predict", str(spec), "--json"]).output.strip().splitlines()
-    lines = res.output.splitlines()
+    rows = runner.invoke(app, ["predict", str(spec), "--json"]).stdout.strip().splitlines()
+    lines = res.stdout.splitlines()  # the table; notes go to stderr (folded: checked below)
     sep = next(i for i, ln in enumerate(lines) if ln and set(ln) <= {"-", " "})
     body = lines[sep + 1:]
     hidden = [i for i, ln in enumerate(body) if ln.startswith("not shown at width")]
@@ -114,7 +114,7 @@ def test_sort_top_and_columns(tmp_path):
                                    "--top", "2", "--columns", "trial,tokens_per_s_per_device"],
                              env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
-    lines = res.output.splitlines()
+    lines = res.stdout.splitlines()
     assert "first 2 of 9" in lines[0] and lines[-2].startswith("ws8-") and len(lines) == 5
     bad = CliRunner().invoke(app, ["predict", str(spec), "--sort", "nosuch"])
     assert bad.exit_code == 2 and "--sort" in bad.output

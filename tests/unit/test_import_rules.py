@@ -41,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     "tables": FOUNDATION,
     "cli_common": FOUNDATION | {"tables", "track"},
     "cli_tools": FOUNDATION | {"cli_common", "calibrate", "launch", "perfmodel", "track", "train"},
-    "cli_plan": FOUNDATION | {"cli_common", "plan", "tables"},
+    "cli_plan": FOUNDATION | {"cli_common", "plan", "perfmodel", "tables"},
     "__init__": set(),
 }
 HEAVY = ("torch", "ray", "deepspeed")

@@ -21,6 +21,7 @@ from scalestudy.perfmodel import parallelism as par
 from scalestudy.perfmodel.compute import compute_times
 from scalestudy.perfmodel.flops import hardware_flops_per_token, model_flops_per_token, utilization
 from scalestudy.perfmodel.memory import MemoryBreakdown, memory_breakdown, memory_refusal
+from scalestudy.perfmodel.coverage import uncalibrated
 from scalestudy.perfmodel.overlap import StepTime, step_time
 from scalestudy.perfmodel.params import ModelParams, params_for
 from scalestudy.perfmodel.power import estimate_power
@@ -127,6 +128,7 @@ def predict(cfg: TrialConfig, hardware: HardwareProfile | None = None,
         energy_per_token_j_estimated=pw.energy_per_token_j,
         tokens_per_j_estimated=pw.tokens_per_j,
         missing=_NOT_MODELLED,  # validation copies it
+        uncalibrated=uncalibrated(cfg),
         extra={"energy_window_steps": cfg.steps.measure,
                # GPU-only, like power_w_estimated; the node's other power is named apart.
                M.TOTAL_POWER_W_ESTIMATED: pw.total_power_w,

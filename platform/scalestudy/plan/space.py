@@ -208,5 +208,5 @@ def table_rows(ranked: list[RankedLayout]) -> list[dict[str, Any]]:
                      "activation_checkpointing": res.activation_checkpointing,
                      M.TOKENS_PER_S: res.tokens_per_s, "score": r.score, "low": r.low,
                      "high": r.high, M.MFU: res.mfu, M.PEAK_MEMORY_GIB: res.peak_memory_gib,
-                     "status": "predicted"})
+                     "status": "predicted", "uncalibrated": res.uncalibrated})
     return rows

@@ -56,7 +56,7 @@ LEDGER_FILE = "trials.parquet"
 PARTS_DIR = "ledger"
 ROWS_SUFFIX = ".rows.parquet"
 PATCH_SUFFIX = ".patch.parquet"
-JSON_COLUMNS = ("missing", "extra", "resizes")
+JSON_COLUMNS = ("missing", "extra", "resizes", "uncalibrated")
 COMM_PREFIX = "comm/"
 # In the export's Parquet metadata: the names of the parts it merged (JSON list).
 EXPORTED_PARTS_KEY = b"scalestudy.ledger.parts"

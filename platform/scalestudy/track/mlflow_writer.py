@@ -251,6 +251,8 @@ class MlflowWriter:
             "backend": result.backend, "hardware": result.hardware, "model": result.model,
             "energy_source": result.energy_source, **software_tags(),
         }
+        if result.uncalibrated:  # a prediction's figures its profile did not calibrate
+            tags["uncalibrated"] = "; ".join(result.uncalibrated)[:5000]
         if parent_run_id:
             tags["mlflow.parentRunId"] = parent_run_id
         run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
