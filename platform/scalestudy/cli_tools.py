@@ -64,7 +64,7 @@ def calibrate(
                                         "core (calibrate/local.py)")] = False,
     precision: Annotated[Optional[list[str]], typer.Option(
         "--precision", help="precision to benchmark, repeatable (default: what `auto` resolves to "
-        "here, the one studies run at)")] = None,
+        "here, and fp32 too where that is bf16)")] = None,
     across_nodes: Annotated[int, typer.Option(
         "--across-nodes", help="then measure the network: collectives over N nodes of the Ray "
         "cluster, one device each (calibrate/across_nodes.py); 0: keep the profile's figure")] = 0,

@@ -50,12 +50,13 @@ def test_benchmark_shapes_avoid_the_scored_token_counts_and_sequence_lengths(qui
     assert max(2 * m * k * n for m, k, n in gemm) > largest
 
 
-def test_default_precision_is_what_auto_resolves_to(monkeypatch):
+def test_default_precisions_are_what_auto_resolves_to_and_fp32(monkeypatch):
     base = catalog.get_hardware("cpu-local")
     monkeypatch.setenv("SCALESTUDY_CPU_NATIVE_BF16", "0")
-    assert run.default_precisions(base) == ["fp32"]
+    assert run.default_precisions(base) == ["fp32"]  # bf16 emulated: asked for explicitly
     monkeypatch.setenv("SCALESTUDY_CPU_NATIVE_BF16", "1")
-    assert run.default_precisions(base) == ["bf16"]
+    assert run.default_precisions(base) == ["bf16", "fp32"]
+    assert run.default_precisions(catalog.get_hardware("h100-80gb")) == ["bf16", "fp32"]
 
 
 def test_progress_prints_one_line_per_benchmark(capsys):

@@ -337,8 +337,12 @@ def calibrate(base: HardwareProfile, quick: bool = False, precisions: list[str] 
 
 
 def default_precisions(base: HardwareProfile) -> list[str]:
-    """The precision the studies' `auto` resolves to on this machine: the one they will run at (a
-    study that names another precision is calibrated with `--precision`)."""
+    """What the studies at hand run at: the precision their `auto` resolves to on this machine and,
+    where that is bf16 (GPUs, CPUs with native bf16), fp32 too, which studies name as often (the
+    paper's fp32 baselines, the measured-CPU studies). Without native bf16 only fp32: bf16 is
+    emulated there (about 10x slower) and no `auto` asks for it; `--precision bf16` calibrates it.
+    A prediction at a precision the profile lacks says so (perfmodel/coverage.py)."""
     from scalestudy.spec.precision import resolve_precision
 
-    return [resolve_precision("auto", base).value]
+    auto = resolve_precision("auto", base).value
+    return [auto] if auto == "fp32" else [auto, "fp32"]
