@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from scalestudy.measure.utilization import CpuUtilization, NvmlUtilization, cpu_utilization
+from tests.fixtures.nvml import IndexedNvml
 
 
 def test_busy_loop_is_about_one_core_and_sleep_is_about_zero():
@@ -28,23 +29,11 @@ def test_cpu_utilization_empty_window_is_nan():
     assert cpu_utilization(1.0, 0.0) != cpu_utilization(1.0, 0.0)
 
 
-class PolledNvml:
+class PolledNvml(IndexedNvml):
     """NVML of devices whose utilization is only polled (no nvmlDeviceGetSamples), one rate each."""
 
-    def __init__(self, rates: list[int]):
-        self.rates = rates
-
-    def nvmlInit(self):
-        pass
-
-    def nvmlDeviceGetCount(self):
-        return len(self.rates)
-
-    def nvmlDeviceGetHandleByIndex(self, i):
-        return i
-
     def nvmlDeviceGetUtilizationRates(self, h):
-        return SimpleNamespace(gpu=self.rates[h], memory=0)
+        return SimpleNamespace(gpu=self.devices[h], memory=0)
 
 
 def test_nvml_utilization_mean_per_device():

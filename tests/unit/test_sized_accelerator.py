@@ -10,25 +10,14 @@ import pytest
 
 from scalestudy.launch.placement import local_gpu_devices, sized_accelerator_resources
 from scalestudy.spec import catalog
+from tests.fixtures.nvml import IndexedNvml
 
 GIB = 2**30
 PROFILES = [catalog.get_hardware(n) for n in catalog.hardware_names()]
 
 
-class FakeNvml:
+class FakeNvml(IndexedNvml):
     """The calls local_gpu_devices makes, over (name, total bytes) per device."""
-
-    def __init__(self, devices: list[tuple[bytes | str, float]]):
-        self.devices = devices
-
-    def nvmlInit(self):
-        pass
-
-    def nvmlDeviceGetCount(self):
-        return len(self.devices)
-
-    def nvmlDeviceGetHandleByIndex(self, i):
-        return i
 
     def nvmlDeviceGetName(self, h):
         return self.devices[h][0]

@@ -40,6 +40,7 @@ def _free_port() -> int:
 def _run_rank(config: dict[str, Any]) -> dict[str, Any]:
     """benchmarks() in a process group of the ranks torchrun-style variables describe; this process
     is one of them. The set-up is a CPU trial's (train/process.py), on the reference shape."""
+    from scalestudy.train import reentry
     from scalestudy.train.process import init_process_group, prepare_process
 
     cfg = reference_step.reference_config(config["precisions"][0], int(os.environ["WORLD_SIZE"]))
@@ -48,8 +49,6 @@ def _run_rank(config: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     threads = torch.get_num_threads()
-    from scalestudy.train import reentry
-
     init_process_group(cfg, int(os.environ.get("LOCAL_RANK", "0")))  # gloo, one thread
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # progress lines, not engine logs
     warnings.filterwarnings("ignore", category=FutureWarning)  # deprecation notes per collective

@@ -122,9 +122,9 @@ class ModelParams(BaseModel):
     # Calibrate (CPU) solves it from the pipeline reference step at pp = world (1F1B, every other
     # factor fixed): a stage runs under torch.distributed.pipelining, without the DeepSpeed engine's
     # hooks around the whole model, and holds half the blocks per process, so where the factors
-    # above were solved on a whole-model DeepSpeed step it runs faster (0.86 on a 2-core AMD EPYC
-    # without native bf16, 2026-12-07: the reference step measured 0.155 s, predicted 0.181 s
-    # without it). GPUs: 1 (not measured).
+    # above were solved on a whole-model DeepSpeed step it runs faster (two quick calibrations on a
+    # 2-core AMD EPYC without native bf16, 2026-12-07: 0.85, where the reference step measured
+    # 0.155 s against 0.181 s predicted without it, and 0.98). GPUs: 1 (not measured).
     pipeline_compute_factor: float = Field(1.0, gt=0)
     # Network ---------------------------------------------------------------------------------
     # Achievable bus bandwidth / link rate for large messages, nccl-tests busbw
