@@ -12,13 +12,10 @@ import typer
 
 from scalestudy import metrics as M
 from scalestudy import tables
-from scalestudy.cli_common import JsonOpt, emit_json, fail, print_table, say, width
-from scalestudy.tables import fmt
+from scalestudy.cli_common import (DEFAULT_ROOT, JsonOpt, RootOpt, TrackingOpt, emit_json, fail,
+                                   print_table, say, width)
 from scalestudy.errors import SpecError
 
-PLAN_COLUMNS = ["rank", "trial", "family", "dp", "tp", "pp", "zero_stage", "micro_batch",
-                "grad_accum", "activation_checkpointing", "score", "low", "high", M.MFU,
-                M.PEAK_MEMORY_GIB]
 
 
 def plan(
@@ -40,23 +37,58 @@ def plan(
     space: Annotated[str, typer.Option(
         "--space", help="free axes, comma-separated: zero, tp, pp, micro_batch, recompute")
     ] = "zero,tp,pp,micro_batch,recompute",
-    top_k: Annotated[int, typer.Option("--top-k", min=1, help="layouts shown")] = 10,
+    top_k: Annotated[Optional[int], typer.Option(
+        "--top-k", min=1, help="layouts measured per round (default 3); with --dry-run, layouts "
+        "shown (default 10)")] = None,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="measure-refit-re-rank rounds "
+                                        "at most")] = 3,
+    budget: Annotated[Optional[str], typer.Option(
+        "--budget", help="what measuring may spend: trials (12) or device-hours (0.5h)")] = None,
+    measure_steps: Annotated[int, typer.Option(
+        "--measure-steps", min=1, help="timed steps of each measured layout (after 2 warm-up "
+        "steps)")] = 10,
+    scale_to: Annotated[Optional[int], typer.Option(
+        "--scale-to", min=1, help="also rank the space at this many devices with the refitted "
+        "model (predicted, not measured)")] = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="rank by prediction only: measure nothing")] = False,
+    results_root: RootOpt = DEFAULT_ROOT,
+    tracking_uri: TrackingOpt = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Rank every layout of a model on N devices by the model (measure the best with a sweep)."""
-    from scalestudy.perfmodel import coverage
-    from scalestudy.plan.space import PlanRequest, rank, refusals, table_rows
+    """Rank every layout of a model on N devices by the model; without --dry-run, measure the
+    best (Ray Tune trials), refit the model on them and re-rank, round by round."""
+    from scalestudy.perfmodel.fit_data import resolve_profile
+    from scalestudy.plan.rounds import PlanBudget
+    from scalestudy.plan.space import PlanRequest
 
-    t0 = time.time()
     try:
-        req = PlanRequest(model=model, hardware=hardware, devices=devices,
+        profile = resolve_profile(hardware)
+        req = PlanRequest(model=model, hardware=profile.name, devices=devices,
                           global_batch=global_batch, seq_len=seq_len, precision=precision,
                           mem_cap_gib=mem_cap, objective=_objective(objective),
                           space=tuple(a.strip() for a in space.split(",") if a.strip()),
                           usd_per_device_hour=usd_per_device_hour)
-        ranked = rank(req)
+        plan_budget = PlanBudget.parse(budget)
+    except SpecError as e:
+        fail(e)
+    if dry_run:
+        _dry_run(req, profile, top_k or 10, json_)
+        return
+    from scalestudy.cli_plan_rounds import measure_plan
+
+    measure_plan(req, profile, hardware, top_k=top_k or 3, rounds=rounds, budget=plan_budget,
+                 measure_steps=measure_steps, scale_to=scale_to, results_root=results_root,
+                 tracking_uri=tracking_uri, json_=json_)
+
+
+def _dry_run(req, profile, top_k: int, json_: bool) -> None:
+    from scalestudy.perfmodel import coverage
+    from scalestudy.plan.space import PLAN_COLUMNS, families_line, rank, refusals, table_rows
+
+    t0 = time.time()
+    try:
+        ranked = rank(req, profile)
     except SpecError as e:
         fail(e)
     rows = table_rows(ranked)
@@ -64,32 +96,21 @@ def plan(
         emit_json(rows)
         return
     if not rows:
-        fail(SpecError("--devices", devices, "no layout of the space fits: "
+        fail(SpecError("--devices", req.devices, "no layout of the space fits: "
                        + "; ".join(f"{c} ({k})" for c, k, _ in refusals(ranked))))
     feasible = len(rows)
     print_table(rows[:top_k], PLAN_COLUMNS, title=(
-        f"{model} on {devices:,} x {hardware}: {len(ranked):,} layouts, {feasible:,} fit; "
+        f"{req.model} on {req.devices:,} x {req.hardware}: {len(ranked):,} layouts, {feasible:,} fit; "
         f"best {min(top_k, feasible)} by {req.objective.value} (predicted, not measured; low/high: "
         f"the model's validation error for the layout's family)"))
-    _families(rows)
+    say(families_line(rows))
     leans = coverage.summary([r["uncalibrated"] for r in rows])
     if leans:
         for line in tables.fold(f"note: {leans}", width()):
             say(line)
     for cls, count, example in refusals(ranked):
         say(f"refused ({cls}): {count:,} layouts, e.g. {example}")
-    if not dry_run:
-        say("measuring the best layouts is not available yet: run `scalestudy sweep` on a spec of "
-            "them; this ranking is the model's alone")
     say(f"ranked in {time.time() - t0:.1f} s")
-
-
-def _families(rows: list[dict]) -> None:
-    best: dict[str, dict] = {}
-    for r in rows:
-        best.setdefault(r["family"], r)
-    say("best of each family: " + "; ".join(
-        f"{f} #{r['rank']} {r['trial']} ({fmt(r['score'])})" for f, r in best.items()))
 
 
 def _objective(value: str):

@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "perfmodel": FOUNDATION,
     "track": FOUNDATION,
     # the one planner: expansion, the memory rule, verdicts (reads the model; no torch, no ray)
-    "plan": FOUNDATION | {"perfmodel"},
+    "plan": FOUNDATION | {"perfmodel", "tables"},
     "measure": FOUNDATION | {"perfmodel", "plan"},
     "train": FOUNDATION | {"measure", "perfmodel", "plan"},
     # the Ray line: what runs the (Ray-free) trial body under Ray Train and Tune
@@ -41,7 +41,9 @@ ALLOWED: dict[str, set[str]] = {
     "tables": FOUNDATION,
     "cli_common": FOUNDATION | {"tables", "track"},
     "cli_tools": FOUNDATION | {"cli_common", "calibrate", "launch", "perfmodel", "track", "train"},
-    "cli_plan": FOUNDATION | {"cli_common", "plan", "perfmodel", "tables"},
+    "cli_plan": FOUNDATION | {"cli_common", "cli_plan_rounds", "plan", "perfmodel", "tables"},
+    # plan's measuring rounds: Ray Tune sweeps of the chosen layouts
+    "cli_plan_rounds": FOUNDATION | {"cli_common", "plan", "perfmodel", "sweep", "track"},
     "__init__": set(),
 }
 HEAVY = ("torch", "ray", "deepspeed")

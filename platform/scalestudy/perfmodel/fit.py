@@ -39,6 +39,11 @@ _BOUNDS = {  # (low, high) of the physical range, in the parameter's own units
 }
 
 
+def _clip(name: str, value: float) -> float:
+    low, high = _BOUNDS[name]
+    return float(min(max(value, low), high))
+
+
 @dataclass(frozen=True)
 class FitResult:
     names: tuple[str, ...]
@@ -75,7 +80,9 @@ def fit(cfgs: list[TrialConfig], measured: list[float], hw: HardwareProfile,
     x0 = np.clip(np.log([max(getattr(base, n), _BOUNDS[n][0]) for n in names]), lo, hi)
 
     def params(x: np.ndarray) -> ModelParams:
-        return base.model_copy(update={n: float(math.exp(v)) for n, v in zip(names, x)})
+        # Clipped to the physical range: the solver's bounds are widened by 1e-12 in log space,
+        # and a slowdown of 0.999999999999 would fail the profile's own validation.
+        return base.model_copy(update={n: _clip(n, math.exp(v)) for n, v in zip(names, x)})
 
     def residuals(x: np.ndarray) -> np.ndarray:
         p = params(x)

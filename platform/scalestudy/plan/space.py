@@ -17,14 +17,19 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from scalestudy import metrics as M
 from scalestudy.errors import SpecError
+from scalestudy.tables import fmt
 from scalestudy.metrics import Status, TrialResult
 from scalestudy.perfmodel.predict import predict_many
 from scalestudy.plan.build import plan_spec
 from scalestudy.plan.entry import PlanEntry
 from scalestudy.spec import catalog
+from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.spec.load import validate_spec
 from scalestudy.spec.study import StudySpec
 
+PLAN_COLUMNS = ["rank", "trial", "family", "dp", "tp", "pp", "zero_stage", "micro_batch",
+                "grad_accum", "activation_checkpointing", "score", "low", "high", M.MFU,
+                M.PEAK_MEMORY_GIB]
 # Axes `--space` may free; the others stay at their single value.
 FREE_AXES = ("zero", "tp", "pp", "micro_batch", "recompute")
 MAX_LAYOUTS = 100_000
@@ -60,16 +65,22 @@ def _powers(limit: int, start: int = 1) -> list[int]:
     return out
 
 
-def space_spec(req: PlanRequest) -> StudySpec:
-    """The in-memory study whose grid is the space (a SpecError names a bad request's field)."""
+def space_spec(req: PlanRequest, profile: HardwareProfile | None = None,
+               **settings: Any) -> StudySpec:
+    """The in-memory study whose grid is the space (a SpecError names a bad request's field).
+    `profile` replaces the catalogue's hardware (a calibrated or refitted one, same name);
+    `settings` are further spec fields (backend, steps, tracking) for measuring the space."""
     unknown = set(req.space) - set(FREE_AXES)
     if unknown:
         raise SpecError("--space", ",".join(sorted(unknown)), f"choose from {', '.join(FREE_AXES)}")
     dims = catalog.get_model(req.model) if req.model in catalog.model_names() else None
     if dims is None:
         raise SpecError("MODEL", req.model, f"choose one of {', '.join(catalog.model_names())}")
-    hw = req.hardware
-    per_node = catalog.get_hardware(hw).gpus_per_node if hw in catalog.hardware_names() else 8
+    hw: Any = profile if profile is not None else req.hardware
+    if profile is not None:
+        per_node = profile.gpus_per_node
+    else:
+        per_node = catalog.get_hardware(hw).gpus_per_node if hw in catalog.hardware_names() else 8
     n = req.devices
     seq = req.seq_len or min(4096, dims.max_seq_len)
     gb = req.global_batch or max(1024, _ceil_pow2(n))
@@ -86,7 +97,7 @@ def space_spec(req: PlanRequest) -> StudySpec:
         "activation_checkpointing": [False, True] if "recompute" in free else [False],
         "tracking": {"experiment": f"plan-{req.model}"},
     }
-    return validate_spec(data)
+    return validate_spec({**data, **settings})
 
 
 def _ceil_pow2(n: int) -> int:
@@ -129,32 +140,45 @@ FAMILY_ERROR = {"zero3": 0.208, "pipeline+tp": 0.138, "tensor": 0.041, "data": 0
 OVERALL_ERROR = 0.155  # all 106 rows; pipeline (1 row) takes it
 
 
-def _score(result: TrialResult, req: PlanRequest, price: float | None) -> float:
+def band_error(family: str, errors: dict[str, float] | None = None) -> float:
+    """The relative error a family's band spans: `errors`' figure, else the published one."""
+    if errors:
+        return errors.get(family, errors.get("*", OVERALL_ERROR))
+    return FAMILY_ERROR.get(family, OVERALL_ERROR)
+
+
+def score_of(result: TrialResult, req: PlanRequest, price: float | None) -> float:
+    """The objective of a result, larger is better, predicted or measured alike: energy measured
+    where it was (tokens_per_j), else the model's estimate of it."""
     if result.status is not Status.completed:
         return -math.inf
     if req.objective is Objective.tokens_per_s:
         return result.tokens_per_s
     if req.objective is Objective.tokens_per_joule:
-        return result.tokens_per_j_estimated
+        measured = result.tokens_per_j
+        return measured if math.isfinite(measured) else result.tokens_per_j_estimated
     hourly = price * result.world_size
     return -hourly / 3600.0 / result.tokens_per_s  # USD per token, negated: larger is better
 
 
-def rank(req: PlanRequest) -> list[RankedLayout]:
-    """Every layout of the space, best first by the objective (infeasible last)."""
-    spec = space_spec(req)
+def rank(req: PlanRequest, profile: HardwareProfile | None = None,
+         errors: dict[str, float] | None = None, **settings: Any) -> list[RankedLayout]:
+    """Every layout of the space, best first by the objective (infeasible last). `errors` replaces
+    the published family errors of the bands (family -> relative error; "*" for every family), as
+    plan/rounds.py does once the model is refitted on this machine's measurements."""
+    spec = space_spec(req, profile, **settings)
     entries = plan_spec(spec)
     if len(entries) > MAX_LAYOUTS:
         raise SpecError("--space", ",".join(req.space), f"{len(entries):,} layouts exceed "
                         f"{MAX_LAYOUTS:,}; free fewer axes")
     if req.mem_cap_gib is not None:
         entries = [_capped(e, req.mem_cap_gib) for e in entries]
-    price = _price(req)
+    price = price_of(req)
     ranked = []
     for e, r in zip(entries, predict_many(entries)):
         fam = family_of(r.tp, r.pp, r.zero_stage)
-        s = _score(r, req, price)
-        err = FAMILY_ERROR.get(fam, OVERALL_ERROR)
+        s = score_of(r, req, price)
+        err = band_error(fam, errors)
         band = (s * (1 - err), s * (1 + err)) if s > 0 else (s * (1 + err), s * (1 - err))
         ranked.append(RankedLayout(entry=e, result=r, family=fam, score=s, low=min(band),
                                    high=max(band)))
@@ -177,7 +201,7 @@ def _capped(entry: PlanEntry, cap_gib: float) -> PlanEntry:
                                     "reason_class": ReasonClass.memory})
 
 
-def _price(req: PlanRequest) -> float | None:
+def price_of(req: PlanRequest) -> float | None:
     if req.objective is not Objective.usd_per_token:
         return None
     price = req.usd_per_device_hour or catalog.get_hardware(req.hardware).usd_per_device_hour
@@ -210,3 +234,12 @@ def table_rows(ranked: list[RankedLayout]) -> list[dict[str, Any]]:
                      "high": r.high, M.MFU: res.mfu, M.PEAK_MEMORY_GIB: res.peak_memory_gib,
                      "status": "predicted", "uncalibrated": res.uncalibrated})
     return rows
+
+
+def families_line(rows: list[dict[str, Any]]) -> str:
+    """The best row of each family (rows best first, as table_rows gives them), in one line."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        best.setdefault(r["family"], r)
+    return "best of each family: " + "; ".join(
+        f"{f} #{r['rank']} {r['trial']} ({fmt(r['score'])})" for f, r in best.items())

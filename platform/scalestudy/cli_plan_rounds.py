@@ -1,0 +1,189 @@
+"""`scalestudy plan` without `--dry-run`: the rounds of plan/rounds.py, measured by Ray Tune sweeps
+of the chosen layouts (warm worker groups, the ledger and MLflow as any sweep records them), and the
+answer: the recommended layout with its measured figures, the runner-up families, predicted against
+measured for every measured layout, what the plan spent, and a plan.yaml that `scalestudy sweep`
+runs as a study."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import yaml
+
+from scalestudy import metrics as M
+from scalestudy.cli_common import emit_json, fail, print_table, say
+from scalestudy.errors import SpecError
+from scalestudy.plan.rounds import Measured, PlanBudget, PlanOutcome, run_plan
+from scalestudy.plan.space import (PLAN_COLUMNS, PlanRequest, families_line, rank, space_spec,
+                                   table_rows)
+from scalestudy.spec.catalog import HardwareProfile
+from scalestudy.track import storage
+
+MEASURED_COLUMNS = ["round", "trial", "family", "zero_stage", "tp", "pp", "micro_batch",
+                    "activation_checkpointing", "predicted", "predicted_now", "measured",
+                    "error_now", M.PEAK_MEMORY_GIB, "status"]
+
+
+def _settings(req: PlanRequest, measure_steps: int, uri: str) -> dict[str, Any]:
+    return {"backend": "measure", "steps": {"warmup": 2, "measure": measure_steps, "profile": 0},
+            "tracking": {"experiment": f"plan-{req.model}", "mlflow_uri": uri}}
+
+
+def _measurer(req: PlanRequest, settings: dict[str, Any], results_root: str, show: bool):
+    from scalestudy.sweep.driver import run_sweep
+
+    def measure(entries, index: int):
+        spec = space_spec(req, entries[0].hardware, **settings)
+        text = yaml.safe_dump({"plan_round": index, "trials": [e.config.run_name for e in entries],
+                               "space": req.model_dump(mode="json")}, sort_keys=False)
+        say(f"round {index}: measuring {len(entries)} layouts: "
+            + ", ".join(e.config.run_name for e in entries))
+        outcome = run_sweep(spec, entries, text, resume=True, results_root=results_root,
+                            show_progress=show)
+        if outcome.mlflow_error:
+            say(f"MLflow: {outcome.mlflow_error}")
+        return outcome.results
+
+    return measure
+
+
+def measure_plan(req: PlanRequest, profile: HardwareProfile, hardware: str, *, top_k: int, rounds: int,
+                 budget: PlanBudget, measure_steps: int, scale_to: int | None, results_root: str,
+                 tracking_uri: str | None, json_: bool) -> None:
+    from scalestudy.sweep.tracking import resolve_tracking_uri
+
+    t0 = time.time()
+    try:
+        uri = resolve_tracking_uri(tracking_uri)
+        settings = _settings(req, measure_steps, uri)
+        first = rank(req, profile, **settings)  # a bad request fails here, before any worker
+    except SpecError as e:
+        fail(e)
+    if not any(r.feasible for r in first):
+        fail(SpecError("--devices", req.devices, "no layout of the space can run here"))
+    outcome = run_plan(req, profile, _measurer(req, settings, results_root, not json_),
+                       top_k=top_k, rounds=rounds, budget=budget, **settings)
+    rows = measured_rows(outcome)
+    study = space_spec(req, profile, **settings).name
+    plan_file = write_plan_yaml(outcome, req, hardware, settings, results_root, study)
+    fitted = write_refit(outcome, results_root, study)
+    if json_:
+        emit_json(rows)
+        return
+    _print_answer(outcome, rows, req, plan_file, time.time() - t0)
+    if fitted:
+        say(f"refitted profile: {fitted} (`scalestudy report {study}` predicts with it; its "
+            "predictions of the measured layouts are in sample)")
+    if scale_to:
+        _print_scaled(req, outcome.profile, scale_to)
+
+
+def measured_rows(outcome: PlanOutcome) -> list[dict[str, Any]]:
+    """Every measured layout: predicted when chosen, predicted by the last refit (in sample: that
+    refit saw this measurement), measured."""
+    rows = []
+    for key, m in sorted(outcome.measured.items(), key=lambda kv: -_finite(kv[1].score)):
+        now = outcome.predicted_now(key)
+        res, chosen = m.result, m.chosen_as
+        pred_now = now.result.tokens_per_s if now is not None else math.nan
+        rows.append({"round": m.round, "trial": chosen.entry.config.run_name, "trial_id": m.result.trial_id,
+                     "family": chosen.family, "zero_stage": res.zero_stage, "tp": res.tp,
+                     "pp": res.pp, "micro_batch": res.micro_batch,
+                     "activation_checkpointing": res.activation_checkpointing,
+                     "predicted": chosen.result.tokens_per_s, "predicted_now": pred_now,
+                     "measured": res.tokens_per_s,
+                     "error_now": pred_now / res.tokens_per_s - 1 if m.completed else math.nan,
+                     "score": m.score, M.PEAK_MEMORY_GIB: res.peak_memory_gib,
+                     "status": res.status.value, "reason": res.reason})
+    return rows
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -math.inf
+
+
+def _print_answer(outcome: PlanOutcome, rows: list[dict], req: PlanRequest, plan_file: str,
+                  wall_s: float) -> None:
+    print_table(rows, MEASURED_COLUMNS, title=(
+        f"{req.model} on {req.devices} x {req.hardware}: {len(rows)} layouts measured in "
+        f"{len(outcome.rounds)} rounds (tokens/s; predicted: when chosen; predicted_now: by the "
+        f"last refit, in sample)"))
+    for rnd in outcome.rounds:
+        fitted = ", ".join(f"{k} {v:.4g}" for k, v in rnd.refit.items()) or "nothing to refit"
+        say(f"round {rnd.index}: refit {fitted}; error of the refit on its own measurements "
+            f"{_pct(rnd.in_sample_error)} (in sample), leave-one-out {_pct(rnd.heldout_error)}")
+    best = outcome.recommended
+    if best is None:
+        say("no measured layout completed: nothing to recommend (see the reasons above)")
+    else:
+        r = best.result
+        say(f"recommended: {best.chosen_as.entry.config.run_name} ({best.chosen_as.family}): "
+            f"measured {r.tokens_per_s:,.0f} tokens/s, MFU {r.mfu:.3f}, peak memory "
+            f"{r.peak_memory_gib:.2f} GiB per device ({req.objective.value} {best.score:.4g})")
+        say(_runners_up(outcome, best))
+    say(families_line(table_rows(outcome.ranked)) + " (predicted by the last refit)")
+    say(f"spent: {outcome.spent_trials} trials, {outcome.spent_device_hours:.3f} device-hours; "
+        f"stopped: {outcome.stop_reason}")
+    say(f"plan: {plan_file} (`scalestudy sweep {plan_file}` runs the recommended layout)")
+    say(f"planned in {wall_s:.0f} s")
+
+
+def _runners_up(outcome: PlanOutcome, best: Measured) -> str:
+    per_family: dict[str, Measured] = {}
+    for m in sorted(outcome.measured.values(), key=lambda m: -_finite(m.score)):
+        if m.completed and m.chosen_as.family != best.chosen_as.family:
+            per_family.setdefault(m.chosen_as.family, m)
+    if not per_family:
+        return "runner-up families: none measured"
+    return "runner-up families (measured): " + "; ".join(
+        f"{f} {m.chosen_as.entry.config.run_name} {m.score / best.score:.2f}x"
+        for f, m in per_family.items())
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%" if math.isfinite(x) else "n/a"
+
+
+def write_plan_yaml(outcome: PlanOutcome, req: PlanRequest, hardware: str,
+                    settings: dict[str, Any], results_root: str, study: str) -> str:
+    """The recommended layout as a study spec (its axes scalar), beside the study's ledger;
+    `hardware` as the user named it (a catalogue name or a profile file's path)."""
+    best = outcome.recommended
+    location = storage.join(results_root, study, "plan.yaml")
+    if best is None:
+        return "(none: no measured layout completed)"
+    c = best.chosen_as.entry.config
+    spec = {"name": f"{study}-best", "model": req.model, "hardware": hardware,
+            "backend": "measure", "seq_len": c.seq_len, "precision": c.precision,
+            "world_size": c.world_size, "global_batch": c.global_batch,
+            "zero_stage": c.zero_stage, "tp": c.tp, "pp": c.pp, "micro_batch": c.micro_batch,
+            "activation_checkpointing": c.activation_checkpointing,
+            "steps": settings["steps"], "tracking": {"experiment": settings["tracking"]["experiment"]}}
+    head = (f"# scalestudy plan: {c.run_name} measured best of {outcome.spent_trials} layouts "
+            f"({req.objective.value} {best.score:.4g}); stopped: {outcome.stop_reason}\n")
+    storage.write_bytes(location, (head + yaml.safe_dump(spec, sort_keys=False)).encode())
+    return str(location)
+
+
+def write_refit(outcome: PlanOutcome, results_root: str, study: str) -> str | None:
+    """The last refit's profile where `scalestudy fit` puts one (fitted-<hardware>.yaml beside the
+    study's ledger), so the study's report predicts with it; None when nothing was refitted."""
+    if not outcome.rounds or not outcome.rounds[-1].refit:
+        return None
+    data = outcome.profile.model_dump(mode="json")
+    location = storage.join(results_root, study, f"fitted-{outcome.profile.name}.yaml")
+    storage.write_bytes(location, yaml.safe_dump(data, sort_keys=False,
+                                                 default_flow_style=None).encode())
+    return str(location)
+
+
+def _print_scaled(req: PlanRequest, profile: HardwareProfile, devices: int) -> None:
+    scaled = req.model_copy(update={"devices": devices, "global_batch": None})
+    try:
+        rows = table_rows(rank(scaled, profile))
+    except SpecError as e:
+        fail(e)
+    print_table(rows[:5], PLAN_COLUMNS, title=(
+        f"at {devices} x {req.hardware}, by the refitted model (predicted, not measured)"))

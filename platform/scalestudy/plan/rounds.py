@@ -1,0 +1,211 @@
+"""`scalestudy plan` past `--dry-run`: measure the layouts that matter, refit the model on what was
+measured, re-rank the space, and stop once no unmeasured layout could beat the best measured one.
+
+Each round measures the layouts with the highest upper band (an upper-confidence rule), and the
+best of every family no earlier round measured, so a model that is wrong about one family cannot
+keep it out of sight. After a round the model's efficiencies are refitted on every measurement so
+far (perfmodel/fit.py, the `fit` command's path) and the bands become the refit's leave-one-out
+error on those measurements: this machine's error, not the published rows'.
+
+What measures is given to the loop (cli_plan.py passes a Ray Tune sweep of the chosen layouts,
+recorded in the ledger and MLflow as any sweep), so this module stays pure Python: no torch, no ray.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scalestudy.errors import SpecError
+from scalestudy.metrics import Status, TrialResult
+from scalestudy.perfmodel.fit import fit, held_out_predictions
+from scalestudy.plan.entry import PlanEntry
+from scalestudy.plan.space import PlanRequest, RankedLayout, price_of, rank, score_of
+from scalestudy.spec.catalog import HardwareProfile
+from scalestudy.spec.trial import trial_key
+
+# entries to measure, the round's number -> their results (any order). Layouts are matched by their
+# design point (spec/trial.py's trial_key), not by trial_id: a refitted profile changes the ids.
+MeasureFn = Callable[[list[PlanEntry], int], list[TrialResult]]
+MIN_REFIT_TRIALS = 3  # a leave-one-out error needs a fit on at least two others
+
+
+class PlanBudget(BaseModel):
+    """What the plan may spend on measuring: trials, device-hours, or both (None: no limit)."""
+
+    model_config = ConfigDict(extra="forbid")
+    trials: int | None = Field(default=None, gt=0)
+    device_hours: float | None = Field(default=None, gt=0)
+
+    @classmethod
+    def parse(cls, text: str | None) -> PlanBudget:
+        """'12' (trials) or '0.5h' (device-hours); a SpecError names a bad one."""
+        if not text:
+            return cls()
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(h|trials?)?\s*", text)
+        if m is None or float(m.group(1)) <= 0:
+            raise SpecError("--budget", text, "give a trial count (12) or device-hours (0.5h)")
+        if m.group(2) == "h":
+            return cls(device_hours=float(m.group(1)))
+        if not m.group(1).isdigit():
+            raise SpecError("--budget", text, "a trial count is a whole number; device-hours end in h")
+        return cls(trials=int(m.group(1)))
+
+
+@dataclass
+class Measured:
+    """A measured layout: as ranked when it was chosen, its result, and its measured score."""
+
+    chosen_as: RankedLayout
+    result: TrialResult
+    score: float
+    round: int
+
+    @property
+    def completed(self) -> bool:
+        return self.result.status is Status.completed and math.isfinite(self.score)
+
+    @property
+    def device_hours(self) -> float:
+        wall = self.result.wall_time_s
+        return (wall if math.isfinite(wall) else 0.0) * self.result.world_size / 3600.0
+
+
+@dataclass
+class PlanRound:
+    index: int
+    chosen: list[str]                 # run names of the layouts measured in this round
+    refit: dict[str, float] = field(default_factory=dict)   # refitted parameter -> value
+    heldout_error: float = math.nan   # leave-one-out relative error of the refit (the new bands)
+    in_sample_error: float = math.nan  # the refit scored on its own measurements (replay only)
+
+
+@dataclass
+class PlanOutcome:
+    ranked: list[RankedLayout]        # the space as last re-ranked
+    measured: dict[tuple, Measured]   # design point (trial_key) -> measurement
+    rounds: list[PlanRound]
+    stop_reason: str
+    profile: HardwareProfile          # the last refit's (the starting one if none)
+
+    @property
+    def recommended(self) -> Measured | None:
+        done = [m for m in self.measured.values() if m.completed]
+        return max(done, key=lambda m: m.score, default=None)
+
+    @property
+    def spent_trials(self) -> int:
+        return len(self.measured)
+
+    @property
+    def spent_device_hours(self) -> float:
+        return sum(m.device_hours for m in self.measured.values())
+
+    def predicted_now(self, key: tuple) -> RankedLayout | None:
+        return next((r for r in self.ranked if key_of(r) == key), None)
+
+
+def key_of(layout: RankedLayout) -> tuple:
+    return trial_key(layout.entry.config)
+
+
+def choose(ranked: list[RankedLayout], measured: dict[tuple, Measured], k: int) -> list[RankedLayout]:
+    """The next layouts to measure: the best unmeasured layout of every family none of whose
+    layouts was measured yet, then the highest upper bands, k in all (more when the families
+    need it)."""
+    todo = sorted((r for r in ranked if r.feasible and key_of(r) not in measured),
+                  key=lambda r: -r.high)
+    seen = {m.chosen_as.family for m in measured.values()}
+    picked: list[RankedLayout] = []
+    for r in todo:
+        if r.family not in seen:
+            seen.add(r.family)
+            picked.append(r)
+    for r in todo:
+        if len(picked) >= k:
+            break
+        if r not in picked:
+            picked.append(r)
+    return picked
+
+
+def _budget_left(budget: PlanBudget, measured: dict[tuple, Measured]) -> int | None:
+    """Trials the budget still allows (None: unlimited), 0 once device-hours are spent."""
+    hours = sum(m.device_hours for m in measured.values())
+    if budget.device_hours is not None and hours >= budget.device_hours:
+        return 0
+    return None if budget.trials is None else max(0, budget.trials - len(measured))
+
+
+def _refit(req: PlanRequest, base: HardwareProfile, measured: dict[tuple, Measured],
+           rnd: PlanRound) -> tuple[HardwareProfile, dict[str, float] | None]:
+    """The profile refitted on every completed measurement, and the bands' error: the refit's
+    leave-one-out error over them (None while there are too few to hold one out)."""
+    done = [m for m in measured.values() if m.completed]
+    if not done:
+        return base, None
+    cfgs = [m.chosen_as.entry.config for m in done]
+    tps = [m.result.tokens_per_s for m in done]
+    res = fit(cfgs, tps, base)
+    rnd.refit = {n: getattr(res.after, n) for n in res.names}
+    rnd.in_sample_error = res.mape(res.predicted_after, tps)
+    if len(done) < MIN_REFIT_TRIALS:
+        return res.profile, None
+    held, _ = held_out_predictions(cfgs, tps, base)
+    rnd.heldout_error = res.mape(held, tps)
+    return res.profile, {"*": rnd.heldout_error}
+
+
+def _converged(ranked: list[RankedLayout], measured: dict[tuple, Measured]) -> str | None:
+    done = [m for m in measured.values() if m.completed]
+    if not done:
+        return None
+    best = max(m.score for m in done)
+    rival = [r for r in ranked if r.feasible and key_of(r) not in measured
+             and r.high > best]
+    if rival:
+        return None
+    return ("converged: no unmeasured layout's band reaches the best measured layout's "
+            f"{best:.4g}")
+
+
+def run_plan(req: PlanRequest, profile: HardwareProfile, measure: MeasureFn, *, top_k: int,
+             rounds: int, budget: PlanBudget, **settings) -> PlanOutcome:
+    """Rounds of choose -> measure -> refit -> re-rank (settings: spec fields for the space, as
+    space_spec takes them). Stops when converged, when the budget or the rounds are spent, or when
+    every admissible layout was measured."""
+    price = price_of(req)
+    base, errors = profile, None
+    ranked = rank(req, base, errors, **settings)
+    measured: dict[tuple, Measured] = {}
+    done_rounds: list[PlanRound] = []
+    stop = f"rounds spent ({rounds})"
+    for index in range(1, rounds + 1):
+        left = _budget_left(budget, measured)
+        picked = choose(ranked, measured, top_k)
+        if left is not None:
+            picked = picked[:left]
+        if not picked:
+            stop = ("budget spent" if left == 0 else "every admissible layout was measured")
+            break
+        by_key = {key_of(r): r for r in picked}
+        for res in measure([r.entry for r in picked], index):
+            chosen = by_key.get(trial_key(res))
+            if chosen is not None:
+                measured[trial_key(res)] = Measured(chosen, res, score_of(res, req, price), index)
+        rnd = PlanRound(index, [r.entry.config.run_name for r in picked])
+        profile, errors = _refit(req, base, measured, rnd)
+        done_rounds.append(rnd)
+        ranked = rank(req, profile, errors, **settings)
+        reason = _converged(ranked, measured)
+        if reason:
+            stop = reason
+            break
+    else:
+        if _budget_left(budget, measured) == 0:
+            stop = "budget spent"
+    return PlanOutcome(ranked, measured, done_rounds, stop, profile)

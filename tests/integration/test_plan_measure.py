@@ -1,0 +1,46 @@
+"""`scalestudy plan` past --dry-run, for real: the chosen layouts run as Ray Tune x Ray Train x
+DeepSpeed trials (the session's Ray, warm groups), land in the ledger and MLflow as a sweep's do,
+the model is refitted on them, and the answer names a measured layout and writes a plan.yaml that
+`scalestudy validate` accepts."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+from typer.testing import CliRunner
+
+from scalestudy.cli import app
+from scalestudy.track.ledger import Ledger, ledger_path
+
+ARGS = ["plan", "llama2-tiny", "--hardware", "cpu-local", "--devices", "2", "--global-batch", "8",
+        "--seq-len", "64", "--space", "zero", "--top-k", "2", "--rounds", "2", "--budget", "3",
+        "--measure-steps", "3"]
+
+
+def test_plan_measures_refits_and_recommends_a_measured_layout(ray_session, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    root = tmp_path / "results"
+    res = CliRunner().invoke(app, [*ARGS, "--results-root", str(root), "--tracking-uri", uri],
+                             env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "round 1: measuring 2 layouts" in out  # the best of each family: zero3 and data
+    assert "round 2: measuring 1 layouts" in out and "stopped: budget spent" in out
+    assert "spent: 3 trials" in out and "recommended: ws2-" in out, out
+    assert "leave-one-out" in out and "(in sample)" in out
+
+    study = next(p.name for p in root.iterdir() if p.is_dir())
+    rows = Ledger(ledger_path(study, root)).rows()
+    assert len(rows) == 3 and all(r["status"] == "completed" for r in rows), rows
+    assert len({r["trial_id"] for r in rows}) == 3
+
+    assert (root / study / "fitted-cpu-local.yaml").is_file()  # what the study's report predicts with
+    plan_file = root / study / "plan.yaml"
+    spec = yaml.safe_load(plan_file.read_text())
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    assert (spec["zero_stage"], spec["micro_batch"]) == (best["zero_stage"], best["micro_batch"])
+    check = CliRunner().invoke(app, ["validate", str(plan_file), "--json"])
+    assert check.exit_code == 0, check.output
+    planned = [json.loads(ln) for ln in check.output.splitlines()]
+    assert len(planned) == 1 and planned[0]["verdict"]["runnable"]

@@ -1,0 +1,110 @@
+"""plan/rounds.py: which layouts a round measures, when the rounds stop, what the budget allows.
+
+The "machine" here is the model itself under other efficiencies and a family it gets wrong (the
+tensor-parallel layouts run at a third of what it predicts): the loop's logic on a known truth. The
+real measuring path (Ray Tune trials) is tests/integration/test_plan_measure.py's."""
+
+from __future__ import annotations
+
+import pytest
+
+from scalestudy.errors import SpecError
+from scalestudy.metrics import Status
+from scalestudy.perfmodel.predict import predict
+from scalestudy.plan.rounds import PlanBudget, choose, run_plan
+from scalestudy.plan.space import PlanRequest, rank
+from scalestudy.spec import catalog
+
+REQ = PlanRequest(model="llama2-tiny", hardware="cpu-local", devices=2, global_batch=8, seq_len=128)
+TENSOR_PENALTY = 3.0
+
+
+class Machine:
+    """Measures a layout as the model predicts it on a slower profile, tensor layouts 3x slower."""
+
+    def __init__(self):
+        hw = catalog.get_hardware("cpu-local")
+        cal = {**hw.calibration, "in_step_slowdown": 1.6, "step_overhead_s": 0.05}
+        self.hw = hw.model_copy(update={"calibration": cal})
+        self.calls: list[list[str]] = []
+
+    def __call__(self, entries, index):
+        self.calls.append([e.config.run_name for e in entries])
+        return self.measure(entries)
+
+    def measure(self, entries):
+        out = []
+        for e in entries:
+            r = predict(e.config.model_copy(update={"hardware_profile": self.hw}))
+            tps = r.tokens_per_s / (TENSOR_PENALTY if r.tp > 1 else 1.0)
+            out.append(r.model_copy(update={"tokens_per_s": tps, "wall_time_s": 90.0,
+                                            "backend": "measure"}))
+        return out
+
+    def truth(self, ranked):
+        return {r.entry.config.run_name: self.measure([r.entry])[0].tokens_per_s
+                for r in ranked if r.feasible}
+
+
+def test_a_round_takes_every_unmeasured_family_then_the_highest_bands():
+    ranked = rank(REQ)
+    picked = choose(ranked, {}, 2)
+    families = {r.family for r in ranked if r.feasible}
+    assert {r.family for r in picked} == families and len(picked) == len(families)
+    highs = sorted((r.high for r in ranked if r.feasible), reverse=True)
+    assert picked[0].high == max(r.high for r in picked) <= highs[0]
+    more = choose(ranked, {}, len(families) + 3)
+    assert len(more) == len(families) + 3 and len({id(r) for r in more}) == len(more)
+
+
+def test_rounds_find_the_true_best_and_stop_within_the_budget():
+    machine = Machine()
+    out = run_plan(REQ, catalog.get_hardware("cpu-local"), machine, top_k=4, rounds=6,
+                   budget=PlanBudget(trials=30))
+    truth = machine.truth(rank(REQ))
+    best_true = max(truth.values())
+    rec = out.recommended
+    assert rec is not None and rec.result.status is Status.completed
+    assert rec.score >= 0.97 * best_true, (rec.score, best_true)
+    assert out.spent_trials <= 30 and out.spent_trials < len(truth) / 2
+    measured_ids = [t for call in machine.calls for t in call]
+    assert len(measured_ids) == len(set(measured_ids))  # no layout measured twice
+    # the tensor family was measured, found slow, and is not recommended
+    assert any(m.chosen_as.family == "tensor" for m in out.measured.values())
+    assert rec.chosen_as.family != "tensor"
+    assert out.rounds[-1].refit and out.rounds[-1].in_sample_error >= 0
+    assert out.spent_device_hours == pytest.approx(out.spent_trials * 90 * 2 / 3600)
+
+
+def test_budget_in_trials_and_device_hours():
+    machine = Machine()
+    out = run_plan(REQ, catalog.get_hardware("cpu-local"), machine, top_k=3, rounds=5,
+                   budget=PlanBudget(trials=5))
+    assert out.spent_trials == 5 and out.stop_reason == "budget spent"
+    machine = Machine()
+    hours = run_plan(REQ, catalog.get_hardware("cpu-local"), machine, top_k=3, rounds=5,
+                     budget=PlanBudget(device_hours=0.1))  # 90 s x 2 devices a trial: 2 trials
+    assert len(machine.calls) == 1 and hours.stop_reason == "budget spent"
+
+
+def test_mem_cap_keeps_refused_layouts_out_of_every_round():
+    machine = Machine()
+    req = REQ.model_copy(update={"mem_cap_gib": 0.84})  # 48 of the 80 layouts fit
+    ranked = rank(req)
+    assert 0 < sum(r.feasible for r in ranked) < len(ranked)
+    refused = {r.entry.config.run_name for r in ranked if not r.feasible}
+    run_plan(req, catalog.get_hardware("cpu-local"), machine, top_k=4, rounds=3,
+             budget=PlanBudget())
+    assert refused.isdisjoint(t for call in machine.calls for t in call)
+
+
+@pytest.mark.parametrize("text, want", [("12", PlanBudget(trials=12)), ("0.5h", PlanBudget(device_hours=0.5)),
+                                        (None, PlanBudget())])
+def test_budget_parse(text, want):
+    assert PlanBudget.parse(text) == want
+
+
+@pytest.mark.parametrize("text", ["-3", "0", "1.5", "lots", "2d"])
+def test_bad_budget_names_the_option(text):
+    with pytest.raises(SpecError, match="--budget"):
+        PlanBudget.parse(text)
