@@ -49,6 +49,26 @@ def ray_session(tmp_path_factory):
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def warm_trial(ray_session):
+    """run(cfg) -> TrialResult on warm worker groups that live as long as the test module: what a
+    sweep does with `workers: {reuse: true}` (its default), without Tune. Trials of one shape share
+    one group, so a module of equivalence checks pays the workers' start (processes, imports,
+    process group) once per shape instead of once per trial; a trial on a warm group trains as its
+    cold run does (test_warm_groups.py). The groups go when the module ends, so the module's idle
+    groups never hold resources that a later module's cold trials wait for."""
+    import time
+    import uuid
+
+    from scalestudy.launch.warm import warm_pool, warm_run
+
+    with warm_pool(True, f"tests-{uuid.uuid4().hex[:8]}") as name:
+        def run(cfg):
+            return warm_run(name, cfg).run(time.time())
+
+        yield run
+
+
 @pytest.fixture(scope="session")
 def ray_storage(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("ray_storage")

@@ -93,6 +93,7 @@ tracking: {{mlflow_uri: "{uri}"}}
     assert len(Ledger(outcome.ledger).rows()) == 4
 
 
+@pytest.mark.slow
 def test_unreachable_mlflow_then_sync(ray_session, tmp_path):
     spec_path = _spec_file(tmp_path, f"""
 name: offline
@@ -121,6 +122,7 @@ tracking: {{mlflow_uri: "http://127.0.0.1:9"}}
     assert sync_mlflow("offline", uri, results_root=root) == (0, None)  # idempotent
 
 
+@pytest.mark.slow
 def test_kill_driver_then_resume_adds_no_duplicate_runs(ray_session, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     spec_path = _spec_file(tmp_path, f"""

@@ -5,7 +5,8 @@ fp32), its peak memory is its own, a failing trial or one past its time limit ta
 without touching the next trial, and `workers: {reuse: false}` gives every trial a cold Ray Train worker group.
 Faults injected into the second of three trials on one group (a real out-of-memory in one rank, a
 worker process killed mid-trial) leave the third training as a cold run does, with nothing of the
-failed group left allocated or busy; so does a trial abandoned while its group is still starting."""
+failed group left allocated or busy; so does a trial abandoned while its group is still starting.
+The fault and cold-start tests are marked slow (`make test-slow`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 import ray
 
 from scalestudy.metrics import Status
@@ -97,6 +99,7 @@ tracking: {{mlflow_uri: "sqlite:///{tmp_path / 'mlflow.db'}"}}
     return outcome
 
 
+@pytest.mark.slow
 def test_failing_trial_takes_its_group_down_and_the_next_starts_fresh(ray_session, tmp_path,
                                                                       monkeypatch):
     outcome = _sweep(tmp_path, monkeypatch, "warmfail", "micro_batch: [1, 2, 4]",
@@ -119,6 +122,7 @@ def test_failing_trial_takes_its_group_down_and_the_next_starts_fresh(ray_sessio
         raise AssertionError(f"warm pool outlived its sweep: {ray.util.list_named_actors()}")
 
 
+@pytest.mark.slow
 def test_reuse_false_starts_every_trial_cold(ray_session, tmp_path, monkeypatch):
     outcome = _sweep(tmp_path, monkeypatch, "cold", "zero_stage: [0, 1]\nworkers: {reuse: false}")
     assert [r.status for r in outcome.results] == [Status.completed] * 2
@@ -127,6 +131,7 @@ def test_reuse_false_starts_every_trial_cold(ray_session, tmp_path, monkeypatch)
         assert {"imported", "process_group"} <= set(r.extra["timing"])  # a process of its own
 
 
+@pytest.mark.slow
 def test_trial_past_its_limit_ends_its_group_and_the_next_trial_runs(ray_session, tmp_path,
                                                                      monkeypatch):
     """Every trial warm, so Tune reuses one trainable actor for all of them: the first trial (a
@@ -193,6 +198,7 @@ def _same_as_cold(warm, cold) -> None:
     assert max(abs(a - b) for a, b in zip(warm.losses, cold.losses)) <= 1e-6, (warm.losses, cold.losses)
 
 
+@pytest.mark.slow
 def test_oom_and_a_killed_worker_in_the_second_of_three_trials(ray_session, ray_storage):
     """Two triples on one warm group each: a trial, a faulty one, a trial. The faulty one fails with
     its cause, its group goes (no process of it left, its placement group removed) and the third
@@ -236,6 +242,7 @@ def test_oom_and_a_killed_worker_in_the_second_of_three_trials(ray_session, ray_
     _wait_for(lambda: not any(map(_alive, kept)), "the pool's last group to end with the pool")
 
 
+@pytest.mark.slow
 def test_timeout_while_its_group_starts_leaves_nothing_busy_or_allocated(ray_session):
     """A trial abandoned at its limit (what the trainable does on timeout) while its new group's
     workers are still starting: the group goes then and there, the trial's acquire fails, nothing

@@ -1,4 +1,5 @@
-"""Real Ray Train x DeepSpeed trials on 2 CPU workers: ZeRO does not change the maths."""
+"""Real DeepSpeed trials on 2 CPU workers (Ray actors, one warm group for the module, as a sweep
+runs them): ZeRO does not change the maths."""
 
 from __future__ import annotations
 
@@ -7,19 +8,18 @@ import math
 import pytest
 
 from scalestudy.metrics import Status
-from scalestudy.launch.ray_train import run_trial
 from tests.conftest import trial
 
 STAGES = (0, 1, 2, 3)
 
 
 @pytest.fixture(scope="module")
-def fp32_results(ray_session, ray_storage):
+def fp32_results(warm_trial):
     out = {}
     for stage in STAGES:
         cfg = trial(["world_size=2", "tp=1", f"zero_stage={stage}", "precision=fp32", "micro_batch=2",
                      "steps={warmup: 2, measure: 8, profile: 0}"])
-        out[stage] = run_trial(cfg, ray_storage)
+        out[stage] = warm_trial(cfg)
     return out
 
 
