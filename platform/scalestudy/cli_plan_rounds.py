@@ -21,6 +21,9 @@ from scalestudy.plan.space import (PLAN_COLUMNS, PlanRequest, families_line, ran
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.track import storage
 
+# The config columns plan.yaml fixes: the space's axes and what its layouts share.
+SPEC_AXES = ("seq_len", "precision", "world_size", "global_batch", "zero_stage", "tp", "pp",
+             "micro_batch", "activation_checkpointing")
 MEASURED_COLUMNS = ["round", "trial", "family", "zero_stage", "tp", "pp", "micro_batch",
                     "activation_checkpointing", "predicted", "predicted_now", "measured",
                     "error_now", M.PEAK_MEMORY_GIB, "status"]
@@ -87,8 +90,8 @@ def measured_rows(outcome: PlanOutcome) -> list[dict[str, Any]]:
     for key, m in sorted(outcome.measured.items(), key=lambda kv: -_finite(kv[1].score)):
         now = outcome.predicted_now(key)
         res, chosen = m.result, m.chosen_as
-        pred_now = now.result.tokens_per_s if now is not None else math.nan
-        rows.append({"round": m.round, "trial": chosen.entry.config.run_name, "trial_id": m.result.trial_id,
+        pred_now = now.result.tokens_per_s * now.factor if now is not None else math.nan
+        rows.append({"round": m.round, "trial": m.name, "trial_id": res.trial_id,
                      "family": chosen.family, "zero_stage": res.zero_stage, "tp": res.tp,
                      "pp": res.pp, "micro_batch": res.micro_batch,
                      "activation_checkpointing": res.activation_checkpointing,
@@ -109,17 +112,19 @@ def _print_answer(outcome: PlanOutcome, rows: list[dict], req: PlanRequest, plan
     print_table(rows, MEASURED_COLUMNS, title=(
         f"{req.model} on {req.devices} x {req.hardware}: {len(rows)} layouts measured in "
         f"{len(outcome.rounds)} rounds (tokens/s; predicted: when chosen; predicted_now: by the "
-        f"last refit, in sample)"))
+        f"last refit with its family factor, in sample)"))
     for rnd in outcome.rounds:
         fitted = ", ".join(f"{k} {v:.4g}" for k, v in rnd.refit.items()) or "nothing to refit"
-        say(f"round {rnd.index}: refit {fitted}; error of the refit on its own measurements "
-            f"{_pct(rnd.in_sample_error)} (in sample), leave-one-out {_pct(rnd.heldout_error)}")
+        factors = ", ".join(f"{k} {v:.3g}" for k, v in rnd.factors.items()) or "none"
+        say(f"round {rnd.index}: refit {fitted}; measured/predicted per family: {factors}; error "
+            f"on its own measurements {_pct(rnd.in_sample_error)} (in sample), leave-one-out "
+            f"{_pct(rnd.heldout_error)}")
     best = outcome.recommended
     if best is None:
         say("no measured layout completed: nothing to recommend (see the reasons above)")
     else:
         r = best.result
-        say(f"recommended: {best.chosen_as.entry.config.run_name} ({best.chosen_as.family}): "
+        say(f"recommended: {best.name} ({best.chosen_as.family}): "
             f"measured {r.tokens_per_s:,.0f} tokens/s, MFU {r.mfu:.3f}, peak memory "
             f"{r.peak_memory_gib:.2f} GiB per device ({req.objective.value} {best.score:.4g})")
         say(_runners_up(outcome, best))
@@ -138,7 +143,7 @@ def _runners_up(outcome: PlanOutcome, best: Measured) -> str:
     if not per_family:
         return "runner-up families: none measured"
     return "runner-up families (measured): " + "; ".join(
-        f"{f} {m.chosen_as.entry.config.run_name} {m.score / best.score:.2f}x"
+        f"{f} {m.name} {m.score / best.score:.2f}x"
         for f, m in per_family.items())
 
 
@@ -154,14 +159,11 @@ def write_plan_yaml(outcome: PlanOutcome, req: PlanRequest, hardware: str,
     location = storage.join(results_root, study, "plan.yaml")
     if best is None:
         return "(none: no measured layout completed)"
-    c = best.chosen_as.entry.config
+    c = best.chosen_as.entry.config.config_fields()  # flat, scalar, enums as their values
     spec = {"name": f"{study}-best", "model": req.model, "hardware": hardware,
-            "backend": "measure", "seq_len": c.seq_len, "precision": c.precision,
-            "world_size": c.world_size, "global_batch": c.global_batch,
-            "zero_stage": c.zero_stage, "tp": c.tp, "pp": c.pp, "micro_batch": c.micro_batch,
-            "activation_checkpointing": c.activation_checkpointing,
+            "backend": "measure", **{k: c[k] for k in SPEC_AXES},
             "steps": settings["steps"], "tracking": {"experiment": settings["tracking"]["experiment"]}}
-    head = (f"# scalestudy plan: {c.run_name} measured best of {outcome.spent_trials} layouts "
+    head = (f"# scalestudy plan: {best.name} measured best of {outcome.spent_trials} layouts "
             f"({req.objective.value} {best.score:.4g}); stopped: {outcome.stop_reason}\n")
     storage.write_bytes(location, (head + yaml.safe_dump(spec, sort_keys=False)).encode())
     return str(location)

@@ -31,6 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from scalestudy.spec.trial import trial_key
+
 REPO = Path(__file__).parents[2]
 REQ = dict(model="llama2-tiny", hardware="cpu-local", devices=2, global_batch=8, seq_len=128)
 STEPS = {"warmup": 2, "measure": 8, "profile": 0}
@@ -76,12 +78,12 @@ def _exhaustive(req, profile, cache: Path, refresh: bool) -> dict:
                         max_concurrent=1)
         path.write_text("".join(r.model_dump_json() + "\n" for r in out.results))
     results = [TrialResult.model_validate_json(ln) for ln in path.read_text().splitlines()]
-    return {r.run_name: r for r in results}
+    return {trial_key(r): r for r in results}
 
 
 def _replay(grid: dict):
     def measure(entries, index):
-        return [grid[e.config.run_name] for e in entries if e.config.run_name in grid]
+        return [grid[trial_key(e.config)] for e in entries if trial_key(e.config) in grid]
     return measure
 
 
@@ -91,19 +93,20 @@ def _spearman(xs: list[float], ys: list[float]) -> float:
     return float(spearmanr(xs, ys).statistic) if len(xs) > 2 else math.nan
 
 
-def _baselines(grid: dict, best: float, total_s: float) -> list[str]:
+def _baselines(grid: dict, names: dict, best: float, total_s: float) -> list[str]:
     done = [r for r in grid.values() if r.status.value == "completed"]
     plain = [r for r in done if r.tp == 1 and r.pp == 1 and not r.activation_checkpointing]
     z3 = max((r for r in plain if r.zero_stage == 3), key=lambda r: r.micro_batch, default=None)
     out = []
     if z3 is not None:
-        out.append(f"ZeRO-3, largest micro-batch that fits ({z3.run_name}): regret "
+        out.append(f"ZeRO-3, largest micro-batch that fits ({names[trial_key(z3)]}): regret "
                    f"{1 - z3.tokens_per_s / best:.1%}, cost {z3.wall_time_s / total_s:.1%} of the grid")
     if plain:
         top = max(plain, key=lambda r: r.tokens_per_s)
         cost = sum(r.wall_time_s for r in plain) / total_s
         out.append(f"autotuner-style grid (ZeRO stage x micro-batch, {len(plain)} trials; best "
-                   f"{top.run_name}): regret {1 - top.tokens_per_s / best:.1%}, cost {cost:.1%}")
+                   f"{names[trial_key(top)]}): regret {1 - top.tokens_per_s / best:.1%}, "
+                   f"cost {cost:.1%}")
     return out
 
 
@@ -116,34 +119,36 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     a.cache.mkdir(parents=True, exist_ok=True)
     from scalestudy.plan.rounds import PlanBudget, run_plan
-    from scalestudy.plan.space import PlanRequest
+    from scalestudy.plan.space import PlanRequest, rank
 
     profile = _profile(a.cache, a.refresh)
     req = PlanRequest(**{**REQ, "hardware": profile.name})
     req = req.model_copy(update={"mem_cap_gib": _cap(req, profile)})
     grid = _exhaustive(req, profile, a.cache, a.refresh)
+    names = {trial_key(r.entry.config): r.entry.config.run_name for r in rank(req, profile)}
     done = {k: r for k, r in grid.items() if r.status.value == "completed"}
-    best_name = max(done, key=lambda k: done[k].tokens_per_s)
-    best, total_s = done[best_name].tokens_per_s, sum(r.wall_time_s for r in grid.values())
+    best_key = max(done, key=lambda k: done[k].tokens_per_s)
+    best_name = names[best_key]
+    best, total_s = done[best_key].tokens_per_s, sum(r.wall_time_s for r in grid.values())
     out = run_plan(req, profile, _replay(grid), top_k=a.top_k, rounds=a.rounds, budget=PlanBudget(),
                    steps=STEPS)
     rec = out.recommended
     spent_s = sum(m.result.wall_time_s for m in out.measured.values())
     pairs = [(out.predicted_now(k).result.tokens_per_s, m.result.tokens_per_s)
              for k, m in out.measured.items() if m.completed and out.predicted_now(k) is not None]
-    over_cap = [m.result.run_name for m in out.measured.values()
+    over_cap = [m.name for m in out.measured.values()
                 if m.result.peak_memory_gib > req.mem_cap_gib]
     print(f"CPU: {_cpu()}; space: {len(grid)} layouts fit under --mem-cap {req.mem_cap_gib:.3f} GiB "
           f"(of {len(out.ranked)}); exhaustive best {best_name} {best:,.0f} tokens/s, grid trial "
           f"time {total_s:.0f} s")
     print(f"plan: {out.spent_trials} trials in {len(out.rounds)} rounds ({out.stop_reason}); "
-          f"recommended {rec.result.run_name} {rec.result.tokens_per_s:,.0f} tokens/s: regret "
+          f"recommended {rec.name} {rec.result.tokens_per_s:,.0f} tokens/s: regret "
           f"{1 - rec.result.tokens_per_s / best:.1%} (bar 3%), trial time {spent_s / total_s:.1%} of "
           f"the grid's (bar 25%)")
     print(f"Spearman (last refit's predictions vs measured, {len(pairs)} layouts): "
           f"{_spearman(*zip(*pairs)) if pairs else math.nan:.3f} (bar 0.8); over the cap: "
           f"{over_cap or 'none'}")
-    for line in _baselines(grid, best, total_s):
+    for line in _baselines(grid, names, best, total_s):
         print("baseline: " + line)
     print(json.dumps({"regret": 1 - rec.result.tokens_per_s / best, "time_share": spent_s / total_s,
                       "trials": out.spent_trials, "grid": len(grid)}))

@@ -14,6 +14,7 @@ from scalestudy.perfmodel.predict import predict
 from scalestudy.plan.rounds import PlanBudget, choose, run_plan
 from scalestudy.plan.space import PlanRequest, rank
 from scalestudy.spec import catalog
+from scalestudy.spec.trial import trial_key
 
 REQ = PlanRequest(model="llama2-tiny", hardware="cpu-local", devices=2, global_batch=8, seq_len=128)
 TENSOR_PENALTY = 3.0
@@ -108,3 +109,26 @@ def test_budget_parse(text, want):
 def test_bad_budget_names_the_option(text):
     with pytest.raises(SpecError, match="--budget"):
         PlanBudget.parse(text)
+
+
+def test_the_answer_rows_plan_yaml_and_refit(tmp_path, capsys):
+    """What cli_plan_rounds prints and writes, on the known truth (no Ray): every measured layout
+    once, plan.yaml a spec that validates to the recommended layout, the refit where fit puts one."""
+    from scalestudy.cli_plan_rounds import _print_answer, measured_rows, write_plan_yaml, write_refit
+    from scalestudy.plan import plan_study
+    from scalestudy.spec.load import load_spec
+
+    out = run_plan(REQ, catalog.get_hardware("cpu-local"), Machine(), top_k=3, rounds=2,
+                   budget=PlanBudget())
+    rows = measured_rows(out)
+    assert len(rows) == out.spent_trials and rows[0]["measured"] == out.recommended.result.tokens_per_s
+    settings = {"steps": {"warmup": 2, "measure": 3, "profile": 0},
+                "tracking": {"experiment": "plan-x"}}
+    path = write_plan_yaml(out, REQ, "cpu-local", settings, str(tmp_path), "plan-x")
+    planned = plan_study(load_spec(path))
+    rec = out.recommended.chosen_as.entry.config
+    assert len(planned) == 1 and trial_key(planned[0].config) == trial_key(rec)
+    assert write_refit(out, str(tmp_path), "plan-x") == str(tmp_path / "plan-x" / "fitted-cpu-local.yaml")
+    _print_answer(out, rows, REQ, path, 1.0)
+    printed = capsys.readouterr().out
+    assert "recommended: " + out.recommended.name in printed and "stopped: " in printed

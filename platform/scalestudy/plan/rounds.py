@@ -3,11 +3,11 @@ measured, re-rank the space, and stop once no unmeasured layout could beat the b
 
 Each round measures the layouts with the highest upper band (an upper-confidence rule), and the
 best of every family no earlier round measured, so a model that is wrong about one family cannot
-keep it out of sight. After a round the model's efficiencies are refitted on every measurement so
-far (perfmodel/fit.py, the `fit` command's path) and the bands become the refit's leave-one-out
-error on those measurements: this machine's error, not the published rows'.
+keep it out of sight. After a round the model is refitted on every measurement so far, with a
+factor per measured family, and the bands become that procedure's leave-one-out error on them:
+this machine's error, not the published rows' (plan/refit.py).
 
-What measures is given to the loop (cli_plan.py passes a Ray Tune sweep of the chosen layouts,
+What measures is given to the loop (cli_plan_rounds.py passes a Ray Tune sweep of the chosen layouts,
 recorded in the ledger and MLflow as any sweep), so this module stays pure Python: no torch, no ray.
 """
 
@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from scalestudy.errors import SpecError
 from scalestudy.metrics import Status, TrialResult
-from scalestudy.perfmodel.fit import fit, held_out_predictions
 from scalestudy.plan.entry import PlanEntry
+from scalestudy.plan.refit import Measurement, Refit, corrected, refit
 from scalestudy.plan.space import PlanRequest, RankedLayout, price_of, rank, score_of
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.spec.trial import trial_key
@@ -31,7 +31,6 @@ from scalestudy.spec.trial import trial_key
 # entries to measure, the round's number -> their results (any order). Layouts are matched by their
 # design point (spec/trial.py's trial_key), not by trial_id: a refitted profile changes the ids.
 MeasureFn = Callable[[list[PlanEntry], int], list[TrialResult]]
-MIN_REFIT_TRIALS = 3  # a leave-one-out error needs a fit on at least two others
 
 
 class PlanBudget(BaseModel):
@@ -66,6 +65,10 @@ class Measured:
     round: int
 
     @property
+    def name(self) -> str:
+        return self.chosen_as.entry.config.run_name
+
+    @property
     def completed(self) -> bool:
         return self.result.status is Status.completed and math.isfinite(self.score)
 
@@ -80,6 +83,7 @@ class PlanRound:
     index: int
     chosen: list[str]                 # run names of the layouts measured in this round
     refit: dict[str, float] = field(default_factory=dict)   # refitted parameter -> value
+    factors: dict[str, float] = field(default_factory=dict)  # family -> measured / predicted
     heldout_error: float = math.nan   # leave-one-out relative error of the refit (the new bands)
     in_sample_error: float = math.nan  # the refit scored on its own measurements (replay only)
 
@@ -141,23 +145,16 @@ def _budget_left(budget: PlanBudget, measured: dict[tuple, Measured]) -> int | N
     return None if budget.trials is None else max(0, budget.trials - len(measured))
 
 
-def _refit(req: PlanRequest, base: HardwareProfile, measured: dict[tuple, Measured],
-           rnd: PlanRound) -> tuple[HardwareProfile, dict[str, float] | None]:
-    """The profile refitted on every completed measurement, and the bands' error: the refit's
-    leave-one-out error over them (None while there are too few to hold one out)."""
-    done = [m for m in measured.values() if m.completed]
+def _refit(base: HardwareProfile, measured: dict[tuple, Measured], rnd: PlanRound) -> Refit | None:
+    """plan/refit.py's refit on every completed measurement so far (None: none completed)."""
+    done = [Measurement(m.chosen_as.entry.config, m.result.tokens_per_s, m.chosen_as.family)
+            for m in measured.values() if m.completed]
     if not done:
-        return base, None
-    cfgs = [m.chosen_as.entry.config for m in done]
-    tps = [m.result.tokens_per_s for m in done]
-    res = fit(cfgs, tps, base)
-    rnd.refit = {n: getattr(res.after, n) for n in res.names}
-    rnd.in_sample_error = res.mape(res.predicted_after, tps)
-    if len(done) < MIN_REFIT_TRIALS:
-        return res.profile, None
-    held, _ = held_out_predictions(cfgs, tps, base)
-    rnd.heldout_error = res.mape(held, tps)
-    return res.profile, {"*": rnd.heldout_error}
+        return None
+    out = refit(base, done)
+    rnd.refit, rnd.factors = out.fitted, out.factors
+    rnd.in_sample_error, rnd.heldout_error = out.in_sample_error, out.heldout_error
+    return out
 
 
 def _converged(ranked: list[RankedLayout], measured: dict[tuple, Measured]) -> str | None:
@@ -179,8 +176,8 @@ def run_plan(req: PlanRequest, profile: HardwareProfile, measure: MeasureFn, *, 
     space_spec takes them). Stops when converged, when the budget or the rounds are spent, or when
     every admissible layout was measured."""
     price = price_of(req)
-    base, errors = profile, None
-    ranked = rank(req, base, errors, **settings)
+    base = profile
+    ranked = rank(req, base, **settings)
     measured: dict[tuple, Measured] = {}
     done_rounds: list[PlanRound] = []
     stop = f"rounds spent ({rounds})"
@@ -198,9 +195,12 @@ def run_plan(req: PlanRequest, profile: HardwareProfile, measure: MeasureFn, *, 
             if chosen is not None:
                 measured[trial_key(res)] = Measured(chosen, res, score_of(res, req, price), index)
         rnd = PlanRound(index, [r.entry.config.run_name for r in picked])
-        profile, errors = _refit(req, base, measured, rnd)
         done_rounds.append(rnd)
-        ranked = rank(req, profile, errors, **settings)
+        model = _refit(base, measured, rnd)
+        if model is not None:
+            profile = model.profile
+            ranked = corrected(rank(req, profile, model.errors, **settings), model.factors,
+                               model.errors)
         reason = _converged(ranked, measured)
         if reason:
             stop = reason

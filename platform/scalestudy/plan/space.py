@@ -114,6 +114,7 @@ class RankedLayout(BaseModel):
     score: float          # the objective, larger is better (usd_per_token is negated)
     low: float            # the score's band from the model's validation residuals (family)
     high: float
+    factor: float = 1.0   # measured over predicted for the layout's family (plan/refit.py)
 
     @property
     def feasible(self) -> bool:
@@ -231,7 +232,8 @@ def table_rows(ranked: list[RankedLayout]) -> list[dict[str, Any]]:
                      "micro_batch": res.micro_batch, "grad_accum": res.grad_accum,
                      "activation_checkpointing": res.activation_checkpointing,
                      M.TOKENS_PER_S: res.tokens_per_s, "score": r.score, "low": r.low,
-                     "high": r.high, M.MFU: res.mfu, M.PEAK_MEMORY_GIB: res.peak_memory_gib,
+                     "high": r.high, "factor": r.factor, M.MFU: res.mfu,
+                     M.PEAK_MEMORY_GIB: res.peak_memory_gib,
                      "status": "predicted", "uncalibrated": res.uncalibrated})
     return rows
 
