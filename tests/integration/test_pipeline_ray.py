@@ -33,3 +33,20 @@ def test_pp2_trial_under_ray_train(ray_session, ray_storage):
             f"comm/{M.SEND_RECV}/bytes"} <= metrics.keys()
     back = row_to_result(result_to_row(r))
     assert back.pipeline_stages == r.pipeline_stages and back.bubble_fraction == r.bubble_fraction
+
+
+def test_pipeline_trials_one_after_another_on_a_warm_group(warm_trial):
+    """A sweep runs consecutive pipeline trials on one warm group. The second used to fail with
+    "Could not resolve the process group registered under the name ...": the first trial's device
+    mesh was cached, and its groups destroyed at the end of that trial (train/reentry.py). Now each
+    trial trains as the first did (fp32: the same losses)."""
+    sets = ["world_size=2", "pp=2", "micro_batch=2", "global_batch=8", "precision=fp32",
+            "steps={warmup: 1, measure: 2, profile: 0}"]
+    first = warm_trial(trial([*sets, "zero_stage=0"]))
+    again = warm_trial(trial([*sets, "zero_stage=0"]))
+    other = warm_trial(trial([*sets, "zero_stage=1", "schedule=gpipe"]))
+    for r in (first, again, other):
+        assert r.status is Status.completed, r.reason
+    assert again.extra["worker_group"]["trials_before"] == 1
+    assert other.extra["worker_group"]["trials_before"] == 2
+    assert again.losses == first.losses

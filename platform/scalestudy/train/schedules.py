@@ -71,9 +71,22 @@ class Groups:
 _MESHES: dict[tuple, Any] = {}
 
 
+def _alive(mesh: Any) -> bool:
+    """Whether every group of the mesh is still registered: a warm worker's end of trial
+    (train/reentry.py) destroys the groups a trial made, and a mesh over destroyed groups fails
+    with "Could not resolve the process group registered under the name ..." (measured: every
+    pipeline trial after another on the same warm group failed so, before this check)."""
+    registered = dist.distributed_c10d._world.pg_map
+    try:  # the mesh keeps its groups by name; a destroyed one's name no longer resolves
+        return all(mesh.get_group(a) in registered for a in GRID_AXES)
+    except (RuntimeError, ValueError, KeyError):
+        return False
+
+
 def process_groups(layout: Layout, device_type: str) -> Groups:
     """The mesh ``arange(world).view(dp, pp, tp)`` (collective, every rank; one per layout shape and
-    default group, so a warm worker's next trial of the same shape reuses it), checked against the
+    default group while its groups live, so a process's next trial of the same shape reuses it
+    unless its groups were destroyed, as a warm worker's end of trial does), checked against the
     layout's own groups: the ranks that exchange activations, shards and gradients are the ones the
     performance model and the analysis place."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -81,7 +94,7 @@ def process_groups(layout: Layout, device_type: str) -> Groups:
     key = (device_type, layout.dp, layout.pp, layout.tp)
     default = dist.distributed_c10d._get_default_group()
     cached = _MESHES.get(key)
-    if cached is None or cached[0] is not default:  # a new process group: its own mesh
+    if cached is None or cached[0] is not default or not _alive(cached[1]):  # a new mesh
         cached = _MESHES[key] = (default, init_device_mesh(
             device_type, (layout.dp, layout.pp, layout.tp), mesh_dim_names=GRID_AXES))
     mesh = cached[1]
