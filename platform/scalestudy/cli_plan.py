@@ -47,6 +47,9 @@ def plan(
     measure_steps: Annotated[int, typer.Option(
         "--measure-steps", min=1, help="timed steps of each measured layout (after 2 warm-up "
         "steps)")] = 10,
+    halving_steps: Annotated[Optional[int], typer.Option(
+        "--halving-steps", min=1, help="successive halving: a round of 4 or more layouts runs them "
+        "all for this many timed steps first, and only the better half for --measure-steps")] = None,
     scale_to: Annotated[Optional[int], typer.Option(
         "--scale-to", min=1, help="also rank the space at this many devices with the refitted "
         "model (predicted, not measured)")] = None,
@@ -78,8 +81,8 @@ def plan(
     from scalestudy.cli_plan_rounds import measure_plan
 
     measure_plan(req, profile, hardware, top_k=top_k or 3, rounds=rounds, budget=plan_budget,
-                 measure_steps=measure_steps, scale_to=scale_to, results_root=results_root,
-                 tracking_uri=tracking_uri, json_=json_)
+                 measure_steps=measure_steps, halving_steps=halving_steps, scale_to=scale_to,
+                 results_root=results_root, tracking_uri=tracking_uri, json_=json_)
 
 
 def _dry_run(req, profile, top_k: int, json_: bool) -> None:

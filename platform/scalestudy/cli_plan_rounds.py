@@ -18,13 +18,15 @@ from scalestudy.errors import SpecError
 from scalestudy.plan.rounds import Measured, PlanBudget, PlanOutcome, run_plan
 from scalestudy.plan.space import (PLAN_COLUMNS, PlanRequest, families_line, rank, space_spec,
                                    table_rows)
+from scalestudy.plan.build import plan_spec
 from scalestudy.spec.catalog import HardwareProfile
+from scalestudy.spec.trial import trial_key
 from scalestudy.track import storage
 
 # The config columns plan.yaml fixes: the space's axes and what its layouts share.
 SPEC_AXES = ("seq_len", "precision", "world_size", "global_batch", "zero_stage", "tp", "pp",
              "micro_batch", "activation_checkpointing")
-MEASURED_COLUMNS = ["round", "trial", "family", "zero_stage", "tp", "pp", "micro_batch",
+MEASURED_COLUMNS = ["round", "window", "trial", "family", "zero_stage", "tp", "pp", "micro_batch",
                     "activation_checkpointing", "predicted", "predicted_now", "measured",
                     "error_now", M.PEAK_MEMORY_GIB, "status"]
 
@@ -37,11 +39,18 @@ def _settings(req: PlanRequest, measure_steps: int, uri: str) -> dict[str, Any]:
 def _measurer(req: PlanRequest, settings: dict[str, Any], results_root: str, show: bool):
     from scalestudy.sweep.driver import run_sweep
 
-    def measure(entries, index: int):
-        spec = space_spec(req, entries[0].hardware, **settings)
+    def measure(entries, index: int, steps: int | None = None):
+        window = dict(settings)
+        if steps is not None:  # a halving window: the same layouts, fewer timed steps
+            window["steps"] = {**settings["steps"], "measure": steps}
+        spec = space_spec(req, entries[0].hardware, **window)
+        if steps is not None:
+            keys = {trial_key(e.config) for e in entries}
+            entries = [e for e in plan_spec(spec) if trial_key(e.config) in keys]
         text = yaml.safe_dump({"plan_round": index, "trials": [e.config.run_name for e in entries],
                                "space": req.model_dump(mode="json")}, sort_keys=False)
-        say(f"round {index}: measuring {len(entries)} layouts: "
+        say(f"round {index}: measuring {len(entries)} layouts"
+            + (f" for {steps} timed steps" if steps is not None else "") + ": "
             + ", ".join(e.config.run_name for e in entries))
         outcome = run_sweep(spec, entries, text, resume=True, results_root=results_root,
                             show_progress=show)
@@ -53,8 +62,9 @@ def _measurer(req: PlanRequest, settings: dict[str, Any], results_root: str, sho
 
 
 def measure_plan(req: PlanRequest, profile: HardwareProfile, hardware: str, *, top_k: int, rounds: int,
-                 budget: PlanBudget, measure_steps: int, scale_to: int | None, results_root: str,
-                 tracking_uri: str | None, json_: bool) -> None:
+                 budget: PlanBudget, measure_steps: int, halving_steps: int | None,
+                 scale_to: int | None, results_root: str, tracking_uri: str | None,
+                 json_: bool) -> None:
     from scalestudy.sweep.tracking import resolve_tracking_uri
 
     t0 = time.time()
@@ -67,7 +77,8 @@ def measure_plan(req: PlanRequest, profile: HardwareProfile, hardware: str, *, t
     if not any(r.feasible for r in first):
         fail(SpecError("--devices", req.devices, "no layout of the space can run here"))
     outcome = run_plan(req, profile, _measurer(req, settings, results_root, not json_),
-                       top_k=top_k, rounds=rounds, budget=budget, **settings)
+                       top_k=top_k, rounds=rounds, budget=budget, halving_steps=halving_steps,
+                       **settings)
     rows = measured_rows(outcome)
     study = space_spec(req, profile, **settings).name
     plan_file = write_plan_yaml(outcome, req, hardware, settings, results_root, study)
@@ -91,7 +102,8 @@ def measured_rows(outcome: PlanOutcome) -> list[dict[str, Any]]:
         now = outcome.predicted_now(key)
         res, chosen = m.result, m.chosen_as
         pred_now = now.result.tokens_per_s * now.factor if now is not None else math.nan
-        rows.append({"round": m.round, "trial": m.name, "trial_id": res.trial_id,
+        rows.append({"round": m.round, "window": m.window, "trial": m.name,
+                     "trial_id": res.trial_id,
                      "family": chosen.family, "zero_stage": res.zero_stage, "tp": res.tp,
                      "pp": res.pp, "micro_batch": res.micro_batch,
                      "activation_checkpointing": res.activation_checkpointing,
@@ -129,6 +141,9 @@ def _print_answer(outcome: PlanOutcome, rows: list[dict], req: PlanRequest, plan
             f"{r.peak_memory_gib:.2f} GiB per device ({req.objective.value} {best.score:.4g})")
         say(_runners_up(outcome, best))
     say(families_line(table_rows(outcome.ranked)) + " (predicted by the last refit)")
+    short = sum(m.window == "short" for m in outcome.measured.values())
+    if short:
+        say(f"{short} layouts ran only their halving window (the worse half of their round)")
     say(f"spent: {outcome.spent_trials} trials, {outcome.spent_device_hours:.3f} device-hours; "
         f"stopped: {outcome.stop_reason}")
     say(f"plan: {plan_file} (`scalestudy sweep {plan_file}` runs the recommended layout)")

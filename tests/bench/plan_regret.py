@@ -81,9 +81,24 @@ def _exhaustive(req, profile, cache: Path, refresh: bool) -> dict:
     return {trial_key(r): r for r in results}
 
 
+def _short(r, steps: int):
+    """The cached trial as a shorter window would have measured it: its first `steps` timed steps,
+    and its wall time less the steps it would not have run."""
+    import statistics
+
+    times = r.step_times_s
+    if r.status.value != "completed" or len(times) <= steps:
+        return r
+    per_step = r.tokens_per_s * statistics.median(times)
+    return r.model_copy(update={"tokens_per_s": per_step / statistics.median(times[:steps]),
+                                "step_times_s": times[:steps],
+                                "wall_time_s": r.wall_time_s - sum(times[steps:])})
+
+
 def _replay(grid: dict):
-    def measure(entries, index):
-        return [grid[trial_key(e.config)] for e in entries if trial_key(e.config) in grid]
+    def measure(entries, index, steps=None):
+        got = [grid[trial_key(e.config)] for e in entries if trial_key(e.config) in grid]
+        return got if steps is None else [_short(r, steps) for r in got]
     return measure
 
 
@@ -110,12 +125,33 @@ def _baselines(grid: dict, names: dict, best: float, total_s: float) -> list[str
     return out
 
 
+def _report_plan(label: str, out, req, grid: dict, best: float, total_s: float) -> dict:
+    rec = out.recommended
+    spent_s = sum(r.wall_time_s for r in out.runs)
+    full = {k: m for k, m in out.measured.items() if m.completed and m.window == "full"}
+    now = {k: out.predicted_now(k) for k in full}
+    pairs = [(now[k].result.tokens_per_s * now[k].factor, m.result.tokens_per_s)
+             for k, m in full.items() if now[k] is not None]
+    rho = _spearman(*zip(*pairs)) if len(pairs) > 2 else math.nan
+    over_cap = [m.name for m in out.measured.values() if m.result.peak_memory_gib > req.mem_cap_gib]
+    regret = 1 - grid[trial_key(rec.chosen_as.entry.config)].tokens_per_s / best
+    print(f"plan{label}: {out.spent_trials} trials in {len(out.rounds)} rounds ({out.stop_reason}); "
+          f"recommended {rec.name} {rec.result.tokens_per_s:,.0f} tokens/s: regret {regret:.1%} "
+          f"(bar 3%), trial time {spent_s / total_s:.1%} of the grid's (bar 25%)")
+    print(f"  Spearman, the last refit's predictions (with family factors; in sample) against the "
+          f"measured, over {len(pairs)} layouts measured full: {rho:.3f} (bar 0.8); measured peak "
+          f"memory over the cap: {over_cap or 'none'}")
+    return {"plan": label.strip() or "rounds", "regret": regret, "time_share": spent_s / total_s,
+            "trials": out.spent_trials, "spearman": rho}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "scalestudy-plan-regret")
     p.add_argument("--refresh", action="store_true", help="measure again (profile and grid)")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--halving-steps", type=int, default=2)
     a = p.parse_args(argv)
     a.cache.mkdir(parents=True, exist_ok=True)
     from scalestudy.plan.rounds import PlanBudget, run_plan
@@ -125,33 +161,22 @@ def main(argv: list[str] | None = None) -> int:
     req = PlanRequest(**{**REQ, "hardware": profile.name})
     req = req.model_copy(update={"mem_cap_gib": _cap(req, profile)})
     grid = _exhaustive(req, profile, a.cache, a.refresh)
-    names = {trial_key(r.entry.config): r.entry.config.run_name for r in rank(req, profile)}
+    ranked = rank(req, profile)
+    names = {trial_key(r.entry.config): r.entry.config.run_name for r in ranked}
     done = {k: r for k, r in grid.items() if r.status.value == "completed"}
     best_key = max(done, key=lambda k: done[k].tokens_per_s)
-    best_name = names[best_key]
     best, total_s = done[best_key].tokens_per_s, sum(r.wall_time_s for r in grid.values())
-    out = run_plan(req, profile, _replay(grid), top_k=a.top_k, rounds=a.rounds, budget=PlanBudget(),
-                   steps=STEPS)
-    rec = out.recommended
-    spent_s = sum(m.result.wall_time_s for m in out.measured.values())
-    pairs = [(out.predicted_now(k).result.tokens_per_s, m.result.tokens_per_s)
-             for k, m in out.measured.items() if m.completed and out.predicted_now(k) is not None]
-    over_cap = [m.name for m in out.measured.values()
-                if m.result.peak_memory_gib > req.mem_cap_gib]
-    print(f"CPU: {_cpu()}; space: {len(grid)} layouts fit under --mem-cap {req.mem_cap_gib:.3f} GiB "
-          f"(of {len(out.ranked)}); exhaustive best {best_name} {best:,.0f} tokens/s, grid trial "
-          f"time {total_s:.0f} s")
-    print(f"plan: {out.spent_trials} trials in {len(out.rounds)} rounds ({out.stop_reason}); "
-          f"recommended {rec.name} {rec.result.tokens_per_s:,.0f} tokens/s: regret "
-          f"{1 - rec.result.tokens_per_s / best:.1%} (bar 3%), trial time {spent_s / total_s:.1%} of "
-          f"the grid's (bar 25%)")
-    print(f"Spearman (last refit's predictions vs measured, {len(pairs)} layouts): "
-          f"{_spearman(*zip(*pairs)) if pairs else math.nan:.3f} (bar 0.8); over the cap: "
-          f"{over_cap or 'none'}")
+    print(f"CPU: {_cpu()}; space: {len(ranked)} layouts, {len(grid)} fit under --mem-cap "
+          f"{req.mem_cap_gib:.3f} GiB ({len(done)} completed); exhaustive best {names[best_key]} "
+          f"{best:,.0f} tokens/s; the grid's trial time {total_s:.0f} s")
+    figures = []
+    for label, halving in (("", None), (f" with halving ({a.halving_steps} steps first)", a.halving_steps)):
+        out = run_plan(req, profile, _replay(grid), top_k=a.top_k, rounds=a.rounds,
+                       budget=PlanBudget(), halving_steps=halving, steps=STEPS)
+        figures.append(_report_plan(label, out, req, grid, best, total_s))
     for line in _baselines(grid, names, best, total_s):
         print("baseline: " + line)
-    print(json.dumps({"regret": 1 - rec.result.tokens_per_s / best, "time_share": spent_s / total_s,
-                      "trials": out.spent_trials, "grid": len(grid)}))
+    print(json.dumps(figures))
     return 0
 
 

@@ -28,9 +28,11 @@ class Machine:
         cal = {**hw.calibration, "in_step_slowdown": 1.6, "step_overhead_s": 0.05}
         self.hw = hw.model_copy(update={"calibration": cal})
         self.calls: list[list[str]] = []
+        self.steps: list[int | None] = []
 
-    def __call__(self, entries, index):
+    def __call__(self, entries, index, steps=None):
         self.calls.append([e.config.run_name for e in entries])
+        self.steps.append(steps)
         return self.measure(entries)
 
     def measure(self, entries):
@@ -132,3 +134,15 @@ def test_the_answer_rows_plan_yaml_and_refit(tmp_path, capsys):
     _print_answer(out, rows, REQ, path, 1.0)
     printed = capsys.readouterr().out
     assert "recommended: " + out.recommended.name in printed and "stopped: " in printed
+
+
+def test_successive_halving_runs_the_better_half_full():
+    machine = Machine()
+    out = run_plan(REQ, catalog.get_hardware("cpu-local"), machine, top_k=6, rounds=1,
+                   budget=PlanBudget(), halving_steps=2)
+    assert machine.steps == [2, None] and len(machine.calls[0]) == 6 and len(machine.calls[1]) == 3
+    windows = sorted(m.window for m in out.measured.values())
+    assert windows == ["full"] * 3 + ["short"] * 3 and out.spent_trials == 9
+    assert out.recommended.window == "full"
+    short = {m.name: m.score for m in out.measured.values() if m.window == "short"}
+    assert max(short.values()) <= min(m.score for m in out.measured.values() if m.window == "full")

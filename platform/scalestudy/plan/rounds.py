@@ -28,9 +28,10 @@ from scalestudy.plan.space import PlanRequest, RankedLayout, price_of, rank, sco
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.spec.trial import trial_key
 
-# entries to measure, the round's number -> their results (any order). Layouts are matched by their
-# design point (spec/trial.py's trial_key), not by trial_id: a refitted profile changes the ids.
-MeasureFn = Callable[[list[PlanEntry], int], list[TrialResult]]
+# entries to measure, the round's number, timed steps (None: the space's) -> their results (any
+# order). Layouts are matched by their design point (spec/trial.py's trial_key), not by trial_id:
+# a refitted profile changes the ids, and so does a shorter window.
+MeasureFn = Callable[[list[PlanEntry], int, "int | None"], list[TrialResult]]
 
 
 class PlanBudget(BaseModel):
@@ -63,6 +64,7 @@ class Measured:
     result: TrialResult
     score: float
     round: int
+    window: str = "full"  # "short": only its halving window ran (it was not promoted)
 
     @property
     def name(self) -> str:
@@ -72,10 +74,11 @@ class Measured:
     def completed(self) -> bool:
         return self.result.status is Status.completed and math.isfinite(self.score)
 
-    @property
-    def device_hours(self) -> float:
-        wall = self.result.wall_time_s
-        return (wall if math.isfinite(wall) else 0.0) * self.result.world_size / 3600.0
+
+
+def device_hours(runs: list[TrialResult]) -> float:
+    return sum((r.wall_time_s if math.isfinite(r.wall_time_s) else 0.0) * r.world_size
+               for r in runs) / 3600.0
 
 
 @dataclass
@@ -95,19 +98,22 @@ class PlanOutcome:
     rounds: list[PlanRound]
     stop_reason: str
     profile: HardwareProfile          # the last refit's (the starting one if none)
+    runs: list[TrialResult] = field(default_factory=list)  # every trial run, halving windows too
 
     @property
     def recommended(self) -> Measured | None:
+        """The best completed layout by its full window (by a short one if none ran full)."""
         done = [m for m in self.measured.values() if m.completed]
-        return max(done, key=lambda m: m.score, default=None)
+        full = [m for m in done if m.window == "full"] or done
+        return max(full, key=lambda m: m.score, default=None)
 
     @property
     def spent_trials(self) -> int:
-        return len(self.measured)
+        return len(self.runs)
 
     @property
     def spent_device_hours(self) -> float:
-        return sum(m.device_hours for m in self.measured.values())
+        return device_hours(self.runs)
 
     def predicted_now(self, key: tuple) -> RankedLayout | None:
         return next((r for r in self.ranked if key_of(r) == key), None)
@@ -137,12 +143,11 @@ def choose(ranked: list[RankedLayout], measured: dict[tuple, Measured], k: int) 
     return picked
 
 
-def _budget_left(budget: PlanBudget, measured: dict[tuple, Measured]) -> int | None:
+def _budget_left(budget: PlanBudget, runs: list[TrialResult]) -> int | None:
     """Trials the budget still allows (None: unlimited), 0 once device-hours are spent."""
-    hours = sum(m.device_hours for m in measured.values())
-    if budget.device_hours is not None and hours >= budget.device_hours:
+    if budget.device_hours is not None and device_hours(runs) >= budget.device_hours:
         return 0
-    return None if budget.trials is None else max(0, budget.trials - len(measured))
+    return None if budget.trials is None else max(0, budget.trials - len(runs))
 
 
 def _refit(base: HardwareProfile, measured: dict[tuple, Measured], rnd: PlanRound) -> Refit | None:
@@ -170,42 +175,66 @@ def _converged(ranked: list[RankedLayout], measured: dict[tuple, Measured]) -> s
             f"{best:.4g}")
 
 
+def _measure_round(picked: list[RankedLayout], index: int, measure: MeasureFn, req: PlanRequest,
+                   halving_steps: int | None, outcome: PlanOutcome, left: int | None) -> None:
+    """Measure the round's layouts into `outcome`. With `halving_steps` and four layouts or more:
+    every layout for that many timed steps first, then the better half (by that window) for the
+    space's full window (successive halving on step count: poor layouts stop early)."""
+    price = price_of(req)
+    by_key = {key_of(r): r for r in picked}
+
+    def run(layouts: list[RankedLayout], steps: int | None, window: str) -> list[Measured]:
+        got = []
+        for res in measure([r.entry for r in layouts], index, steps):
+            outcome.runs.append(res)
+            chosen = by_key.get(trial_key(res))
+            if chosen is not None:
+                m = Measured(chosen, res, score_of(res, req, price), index, window)
+                outcome.measured[trial_key(res)] = m
+                got.append(m)
+        return got
+
+    if halving_steps is None or len(picked) < 4:
+        run(picked, None, "full")
+        return
+    short = run(picked, halving_steps, "short")
+    keep = (len(picked) + 1) // 2
+    if left is not None:
+        keep = min(keep, max(0, left - len(picked)))
+    promoted = sorted((m for m in short if m.completed), key=lambda m: -m.score)[:keep]
+    if promoted:
+        run([m.chosen_as for m in promoted], None, "full")
+
+
 def run_plan(req: PlanRequest, profile: HardwareProfile, measure: MeasureFn, *, top_k: int,
-             rounds: int, budget: PlanBudget, **settings) -> PlanOutcome:
+             rounds: int, budget: PlanBudget, halving_steps: int | None = None,
+             **settings) -> PlanOutcome:
     """Rounds of choose -> measure -> refit -> re-rank (settings: spec fields for the space, as
     space_spec takes them). Stops when converged, when the budget or the rounds are spent, or when
     every admissible layout was measured."""
-    price = price_of(req)
     base = profile
-    ranked = rank(req, base, **settings)
-    measured: dict[tuple, Measured] = {}
-    done_rounds: list[PlanRound] = []
-    stop = f"rounds spent ({rounds})"
+    out = PlanOutcome(rank(req, base, **settings), {}, [], f"rounds spent ({rounds})", profile)
     for index in range(1, rounds + 1):
-        left = _budget_left(budget, measured)
-        picked = choose(ranked, measured, top_k)
+        left = _budget_left(budget, out.runs)
+        picked = choose(out.ranked, out.measured, top_k)
         if left is not None:
             picked = picked[:left]
         if not picked:
-            stop = ("budget spent" if left == 0 else "every admissible layout was measured")
+            out.stop_reason = "budget spent" if left == 0 else "every admissible layout was measured"
             break
-        by_key = {key_of(r): r for r in picked}
-        for res in measure([r.entry for r in picked], index):
-            chosen = by_key.get(trial_key(res))
-            if chosen is not None:
-                measured[trial_key(res)] = Measured(chosen, res, score_of(res, req, price), index)
+        _measure_round(picked, index, measure, req, halving_steps, out, left)
         rnd = PlanRound(index, [r.entry.config.run_name for r in picked])
-        done_rounds.append(rnd)
-        model = _refit(base, measured, rnd)
+        out.rounds.append(rnd)
+        model = _refit(base, out.measured, rnd)
         if model is not None:
-            profile = model.profile
-            ranked = corrected(rank(req, profile, model.errors, **settings), model.factors,
-                               model.errors)
-        reason = _converged(ranked, measured)
+            out.profile = model.profile
+            out.ranked = corrected(rank(req, out.profile, model.errors, **settings),
+                                   model.factors, model.errors)
+        reason = _converged(out.ranked, out.measured)
         if reason:
-            stop = reason
+            out.stop_reason = reason
             break
     else:
-        if _budget_left(budget, measured) == 0:
-            stop = "budget spent"
-    return PlanOutcome(ranked, measured, done_rounds, stop, profile)
+        if _budget_left(budget, out.runs) == 0:
+            out.stop_reason = "budget spent"
+    return out
