@@ -6,6 +6,7 @@ the model is refitted on them, and the answer names a measured layout and writes
 from __future__ import annotations
 
 import json
+import re
 
 import yaml
 from typer.testing import CliRunner
@@ -26,14 +27,18 @@ def test_plan_measures_refits_and_recommends_a_measured_layout(ray_session, tmp_
     assert res.exit_code == 0, res.output
     out = res.output
     assert "round 1: measuring 2 layouts" in out  # the best of each family: zero3 and data
-    assert "round 2: measuring 1 layouts" in out and "stopped: budget spent" in out
-    assert "spent: 3 trials" in out and "recommended: ws2-" in out, out
-    assert "leave-one-out" in out and "(in sample)" in out
+    # Then either a second round within the budget of 3, or none: whether round 1's measurements
+    # already rule the rest out depends on what they measured (this machine's timings).
+    spent = int(re.search(r"spent: (\d+) trials", out).group(1))
+    stop = re.search(r"stopped: (.*)", out).group(1)
+    assert (spent, stop) == (3, "budget spent") or (spent == 2 and stop.startswith("converged")), out
+    assert ("round 2: measuring 1 layouts" in out) == (spent == 3)
+    assert "recommended: ws2-" in out and "leave-one-out" in out and "(in sample)" in out
 
     study = next(p.name for p in root.iterdir() if p.is_dir())
     rows = Ledger(ledger_path(study, root)).rows()
-    assert len(rows) == 3 and all(r["status"] == "completed" for r in rows), rows
-    assert len({r["trial_id"] for r in rows}) == 3
+    assert len(rows) == spent and all(r["status"] == "completed" for r in rows), rows
+    assert len({r["trial_id"] for r in rows}) == spent
 
     assert (root / study / "fitted-cpu-local.yaml").is_file()  # what the study's report predicts with
     plan_file = root / study / "plan.yaml"

@@ -75,7 +75,6 @@ class Measured:
         return self.result.status is Status.completed and math.isfinite(self.score)
 
 
-
 def device_hours(runs: list[TrialResult]) -> float:
     return sum((r.wall_time_s if math.isfinite(r.wall_time_s) else 0.0) * r.world_size
                for r in runs) / 3600.0
