@@ -33,7 +33,7 @@ demo: $(STAMP)
 	$(BIN)/scalestudy sweep experiments/quickstart.yaml
 	$(BIN)/scalestudy report quickstart --out reports/quickstart --profile $(DEMO_PROFILE)
 
-# The suite (README's test command, ~13 min on 2 cores): unit, validation and the integration tests
+# The suite (README's test command, ~11 min on 2 cores): unit, validation and the integration tests
 # that run real trials on one local Ray. The tests marked slow are `make test-slow` (~35 min): the
 # multi-node stand-ins (job submit, autoscaling, placement, private disks, an object store), fault
 # injection (killed workers, nodes and drivers, OOM, timeouts), the 4-worker tp x dp layout, the 355M

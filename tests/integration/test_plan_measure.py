@@ -27,11 +27,12 @@ def test_plan_measures_refits_and_recommends_a_measured_layout(ray_session, tmp_
     assert res.exit_code == 0, res.output
     out = res.output
     assert "round 1: measuring 2 layouts" in out  # the best of each family: zero3 and data
-    # Then either a second round within the budget of 3, or none: whether round 1's measurements
-    # already rule the rest out depends on what they measured (this machine's timings).
+    # Then a second round within the budget of 3, or none: whether the measurements rule the rest
+    # out (converged) depends on what they measured, this machine's timings.
     spent = int(re.search(r"spent: (\d+) trials", out).group(1))
     stop = re.search(r"stopped: (.*)", out).group(1)
-    assert (spent, stop) == (3, "budget spent") or (spent == 2 and stop.startswith("converged")), out
+    assert spent in (2, 3) and (stop == "budget spent" or stop.startswith("converged")), out
+    assert spent == 3 or stop.startswith("converged"), out  # 2 trials: the budget was not spent
     assert ("round 2: measuring 1 layouts" in out) == (spent == 3)
     assert "recommended: ws2-" in out and "leave-one-out" in out and "(in sample)" in out
 
