@@ -19,7 +19,7 @@ from scalestudy.plan.rounds import Measured, PlanBudget, PlanOutcome, run_plan
 from scalestudy.plan.space import (PLAN_COLUMNS, PlanRequest, families_line, rank, space_spec,
                                    table_rows)
 from scalestudy.plan.build import plan_spec
-from scalestudy.spec.catalog import HardwareProfile
+from scalestudy.spec.catalog import HardwareProfile, profile_yaml
 from scalestudy.spec.trial import trial_key
 from scalestudy.track import storage
 
@@ -61,8 +61,8 @@ def _measurer(req: PlanRequest, settings: dict[str, Any], results_root: str, sho
     return measure
 
 
-def measure_plan(req: PlanRequest, profile: HardwareProfile, hardware: str, *, top_k: int, rounds: int,
-                 budget: PlanBudget, measure_steps: int, halving_steps: int | None,
+def measure_plan(req: PlanRequest, profile: HardwareProfile, hardware: str, *, top_k: int,
+                 rounds: int, budget: PlanBudget, measure_steps: int, halving_steps: int | None,
                  scale_to: int | None, results_root: str, tracking_uri: str | None,
                  json_: bool) -> None:
     from scalestudy.sweep.tracking import resolve_tracking_uri
@@ -189,10 +189,8 @@ def write_refit(outcome: PlanOutcome, results_root: str, study: str) -> str | No
     study's ledger), so the study's report predicts with it; None when nothing was refitted."""
     if not outcome.rounds or not outcome.rounds[-1].refit:
         return None
-    data = outcome.profile.model_dump(mode="json")
     location = storage.join(results_root, study, f"fitted-{outcome.profile.name}.yaml")
-    storage.write_bytes(location, yaml.safe_dump(data, sort_keys=False,
-                                                 default_flow_style=None).encode())
+    storage.write_bytes(location, profile_yaml(outcome.profile).encode())  # a URI root too
     return str(location)
 
 

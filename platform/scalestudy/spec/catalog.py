@@ -242,7 +242,10 @@ def profile_from_file(path: Path, field: str) -> HardwareProfile:
         raise SpecError(field, str(path), str(err)) from None
 
 
-def write_profile(profile: HardwareProfile, path: Path) -> None:
+def profile_yaml(profile: HardwareProfile) -> str:
     """A profile as YAML that `load_hardware_file` (and a spec's `hardware:`) reads back."""
-    data = profile.model_dump(mode="json")
-    path.write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+    return yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False, default_flow_style=None)
+
+
+def write_profile(profile: HardwareProfile, path: Path) -> None:
+    path.write_text(profile_yaml(profile))
