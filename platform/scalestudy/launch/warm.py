@@ -79,7 +79,7 @@ class WarmReporter:
         raise RuntimeError("warm workers keep no checkpoints (fault-tolerant trials run cold)")
 
     @contextmanager
-    def latest_checkpoint(self) -> Iterator[str | None]:
+    def latest_checkpoint(self) -> Iterator[None]:
         yield None
 
     def report_summary(self, summary: TrialSummary | None) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import ray.train
 
 from scalestudy.launch.channel import send
+from scalestudy.train.checkpoint_store import StoredCheckpoint
 
 if TYPE_CHECKING:
     from scalestudy.train.summary import TrialSummary
@@ -34,13 +35,11 @@ class RayReporter:
                          checkpoint=ray.train.Checkpoint.from_directory(directory))
 
     @contextmanager
-    def latest_checkpoint(self) -> Iterator[str | None]:
+    def latest_checkpoint(self) -> Iterator[StoredCheckpoint | None]:
+        """Where Ray Train keeps the checkpoint, not a download of it: each rank fetches only the
+        files it loads (train/checkpoint_store.py), where `as_directory()` would copy all of it."""
         checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
-            yield None
-            return
-        with checkpoint.as_directory() as d:
-            yield d
+        yield None if checkpoint is None else StoredCheckpoint(checkpoint.filesystem, checkpoint.path)
 
     def report_summary(self, summary: TrialSummary | None) -> None:
         if summary is not None:
@@ -57,6 +56,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     cfg = TrialConfig.model_validate(config["trial"])
     prepare_process(cfg)
     reporter = RayReporter(config["channel"])
+    from scalestudy.launch.storage_probe import check_visible
+
+    check_visible(config.get("storage_marker"), ray.util.get_node_ip_address())
     init_process_group(cfg, reporter.local_rank)
     from scalestudy.launch.placement import check_tp_nodes
 

@@ -6,8 +6,8 @@ restarts from it on any node, so its storage must be one that every node reads a
 that does not checkpoint needs none (its summary returns through Ray, launch/channel.py). The check is
 direct: the driver writes a marker file under the root, and a task pinned to every alive node looks
 for it; a node that does not find it sees another disk (its own, or a mount the driver lacks).
-Nodes the autoscaler adds later are not probed: a cluster's node types share their setup commands,
-so an alive node of each type stands for the rest.
+Nodes the autoscaler adds later are probed by the trials themselves: every worker of a
+checkpointing trial checks the same kind of marker as its attempt starts (launch/storage_probe.py).
 """
 
 from __future__ import annotations
@@ -16,12 +16,9 @@ import uuid
 from pathlib import Path
 
 from scalestudy.errors import SpecError
+from scalestudy.launch.storage_probe import FIX, MARKER_DIR
 from scalestudy.track import storage
 
-MARKER_DIR = ".node-visibility"
-FIX = ("a checkpointing trial (fault_tolerance or elastic) needs a results root every node can "
-       "read and write: a shared mount (NFS, EFS, FSx, Filestore) at the same path on every node, "
-       "or an object-store URI such as --results-root s3://bucket/prefix")
 
 
 def _sees(path: str) -> bool:

@@ -35,6 +35,7 @@ from scalestudy.parallel.deepspeed_config import deepspeed_config
 from scalestudy.parallel.layout import Layout
 from scalestudy.spec.trial import TrialConfig
 from scalestudy.train import resume, segments, timing
+from scalestudy.train.checkpoint_store import StoredCheckpoint
 from scalestudy.train.construct import build_trial_model, check_materialised
 from scalestudy.train.data import global_batch, stage_window
 from scalestudy.train.process import device_for, sync
@@ -52,8 +53,8 @@ class Reporter(Protocol):
     def save_checkpoint(self, directory: str, step: int) -> None:
         """Every rank, with the directory it wrote its part of the checkpoint to."""
 
-    def latest_checkpoint(self) -> AbstractContextManager[str | None]:
-        """The directory of the checkpoint to resume from, None on a fresh start."""
+    def latest_checkpoint(self) -> AbstractContextManager[StoredCheckpoint | None]:
+        """Where the checkpoint to resume from is stored, None on a fresh start."""
 
     def report_summary(self, summary: TrialSummary | None) -> None:
         """Every rank, once at the end: rank 0 with the summary, the others with None."""
@@ -279,7 +280,7 @@ def summary_of(trial: Trial, w: Window, meters: MeterResult, profiled: ProfiledW
     return TrialSummary(
         step_times_s=step_times, losses=losses, memory=memory,
         world_size=lay.world_size, grad_accum=lay.grad_accum, segments=state.segments,
-        restarts=state.restarts, time_lost_s=state.time_lost_s,
+        restarts=state.restarts, time_lost_s=state.time_lost_s, restores=state.restores,
         first_measured_step_wall=state.first_measured_wall,
         meters=meters, profiled=profiled,
         shard_shapes=_gather_shard_shapes(trial.engine.module) if trial.engine is not None else [],

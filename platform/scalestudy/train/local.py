@@ -11,15 +11,16 @@ debugging: a debugger, py-spy or NCCL_DEBUG see one plain process per rank.
 Bad input exits 2 with one line (rank 0's) before any process group starts; a failed trial prints its
 result with status `failed` and exits 1. Only the results go to stdout: everything else the processes
 write there (DeepSpeed's log lines, library prints) is sent to stderr, so `--json` output parses.
-Fault tolerance: with --checkpoint-dir, checkpoints are written there and a restarted attempt
-(`torchrun --max-restarts N`) resumes from the latest; give every trial a fresh folder.
+Fault tolerance: with --checkpoint-dir (a folder or an object-store URI), checkpoints are written
+there and a restarted attempt (`torchrun --max-restarts N`), or a later run given the same place,
+resumes from the latest; an elastic spec may resume at another world size (`--nproc_per_node`).
+Give every trial a fresh place unless it is meant to resume.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from scalestudy import metrics as M
 from scalestudy.errors import SpecError
 from scalestudy.metrics import Status, TrialResult
 from scalestudy.spec.trial import TrialConfig, trial_name
-from scalestudy.train.resume import STATE_FILE
+from scalestudy.train.checkpoint_store import StoredCheckpoint
 
 if TYPE_CHECKING:
     from scalestudy.train.summary import TrialSummary
@@ -41,38 +42,65 @@ TABLE_COLUMNS = ("trial_id", "status", M.STEP_TIME_S, M.TOKENS_PER_S, M.TOKENS_P
 
 
 class LocalReporter:
-    """The body's Reporter (train/body.py) under torchrun: checkpoints in a folder of the shared
-    file system (all ranks of a local run see it), the summary returned by the body."""
+    """The body's Reporter (train/body.py) under torchrun: checkpoints under a folder or an object
+    store URI (`--checkpoint-dir s3://bucket/prefix`) that every rank reaches, the summary
+    returned by the body. A save goes to `step-NNNNNNNN/` (each rank uploads its own files); once
+    all have, rank 0 points `latest` at it and removes the step before the previous one."""
 
-    def __init__(self, local_rank: int, checkpoint_dir: Path | None = None):
+    def __init__(self, local_rank: int, checkpoint_dir: str | None = None):
         self.local_rank = local_rank
-        self.checkpoint_dir = checkpoint_dir
         self.keeps_checkpoints = checkpoint_dir is not None
+        self.fs, self.root = _filesystem(checkpoint_dir) if checkpoint_dir else (None, "")
 
     def save_checkpoint(self, directory: str, step: int) -> None:
-        """Each rank copies its part into a staging folder; once all have, rank 0 makes it `latest`."""
+        import pyarrow.fs
         import torch.distributed as dist
 
-        assert self.checkpoint_dir is not None
-        staging = self.checkpoint_dir / f"staging-{step}"
-        shutil.copytree(directory, staging, dirs_exist_ok=True)
+        name = f"step-{step:08d}"
+        pyarrow.fs.copy_files(directory, f"{self.root}/{name}",
+                              destination_filesystem=self.fs)
         dist.barrier()
         if dist.get_rank() == 0:
-            latest, previous = self.checkpoint_dir / "latest", self.checkpoint_dir / "previous"
-            shutil.rmtree(previous, ignore_errors=True)
-            if latest.exists():
-                latest.rename(previous)
-            staging.rename(latest)
-            shutil.rmtree(previous, ignore_errors=True)
+            previous = self._latest()
+            with self.fs.open_output_stream(f"{self.root}/{LATEST}") as f:
+                f.write(name.encode())
+            for info in self.fs.get_file_info(pyarrow.fs.FileSelector(self.root)):
+                old = info.base_name
+                if old.startswith("step-") and old not in (name, previous):
+                    self.fs.delete_dir(info.path)
         dist.barrier()
 
+    def _latest(self) -> str | None:
+        import pyarrow.fs
+
+        path = f"{self.root}/{LATEST}"
+        if self.fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+            return None
+        with self.fs.open_input_stream(path) as f:
+            return f.read().decode().strip()
+
     @contextmanager
-    def latest_checkpoint(self) -> Iterator[str | None]:
-        latest = self.checkpoint_dir / "latest" if self.checkpoint_dir else None
-        yield str(latest) if latest and (latest / STATE_FILE).is_file() else None
+    def latest_checkpoint(self) -> Iterator[StoredCheckpoint | None]:
+        name = self._latest() if self.fs is not None else None
+        yield None if name is None else StoredCheckpoint(self.fs, f"{self.root}/{name}")
 
     def report_summary(self, summary: TrialSummary | None) -> None:
         """Nothing to send: the body returns rank 0's summary to this process."""
+
+
+LATEST = "latest"
+
+
+def _filesystem(where: str):
+    """(pyarrow file system, path on it) of a folder or a URI (s3://, gs://, file://)."""
+    import pyarrow.fs
+
+    if "://" in where:
+        fs, path = pyarrow.fs.FileSystem.from_uri(where)
+    else:
+        fs, path = pyarrow.fs.LocalFileSystem(), str(Path(where).resolve())
+    fs.create_dir(path, recursive=True)
+    return fs, path.rstrip("/")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -82,8 +110,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec key (VALUE is YAML); repeatable")
     p.add_argument("--json", action="store_true", help="print the TrialResult as JSON")
-    p.add_argument("--checkpoint-dir", type=Path, default=None,
-                   help="where fault-tolerance checkpoints go and a restart resumes from")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="folder or URI (s3://...) where fault-tolerance checkpoints go and a "
+                        "restarted or repeated run resumes from")
     p.add_argument("--no-instrument", action="store_true",
                    help="no energy meter and no profiled window")
     return p.parse_args(argv)

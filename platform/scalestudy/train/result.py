@@ -103,6 +103,8 @@ def _extra(s: TrialSummary, t0: float) -> dict[str, Any]:
         "energy_excluded_intervals": e.excluded_intervals,
         "utilization_metric": s.meters.utilization_metric,
         "worker_node_ids": s.worker_node_ids,
+        # per restore: from/to world size, each rank's bytes read of the checkpoint and its shard
+        "checkpoint_restores": s.restores,
         # where the trial's time went: epoch-second marks of rank 0 and the adapter
         # (train/timing.py), from the trial's start in its adapter
         "timing": {"trial_start": t0, **s.timing},

@@ -57,6 +57,8 @@ class TrialSummary(BaseModel):
     segments: list[Segment] = Field(default_factory=list)
     restarts: int = 0
     time_lost_s: float = 0.0
+    # Each restore from a checkpoint (train/resume.py): world sizes, per rank bytes read and shard.
+    restores: list[dict[str, Any]] = Field(default_factory=list)
     first_measured_step_wall: float | None = None  # epoch s of the first timed step
     memory: MemoryPeaks
     meters: MeterResult  # energy summed over the nodes' meters, utilization over the devices
