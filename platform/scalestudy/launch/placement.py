@@ -3,11 +3,12 @@ health-check interval, and the check at a trial's start that every TP group shar
 
 A trial that fits in one node gets STRICT_PACK: Ray places all its workers on one node or none, so
 its collectives never cross the network. A larger trial takes whole nodes (the layout refuses a
-world size that is not a multiple of the devices per node, parallel/layout.py); PACK then fills
-them, and Ray Train orders ranks node by node, so each node holds consecutive ranks and a TP group
-(tp consecutive ranks, tp <= devices per node) stays inside one. Every worker still reports its
-node at the start and the trial fails with the reason when a TP group crosses nodes: an elastic
-trial runs at whatever size the cluster holds, and another trial may hold part of a node.
+world size that is not a multiple of the devices per node, parallel/layout.py): it leases whole
+idle nodes and its workers are pinned to them (launch/node_leases.py), so a concurrent trial never
+shares one; Ray Train orders ranks node by node, so each node holds consecutive ranks and a TP
+group (tp consecutive ranks, tp <= devices per node) stays inside one. Every worker still reports
+its node at the start and the trial fails with the reason when a TP group crosses nodes: an
+elastic or fault-tolerant trial is not pinned (it must restart on whatever nodes are up).
 
 A Ray instance this process started itself (ray.init with no cluster to join) has fixed resources
 and no autoscaler: a trial it cannot hold would wait placement_timeout_s for nodes that never come,
@@ -21,6 +22,7 @@ The decisions are pure; only `gather_node_ids` and `check_tp_nodes` (run in the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from scalestudy.parallel.layout import Layout
 from scalestudy.spec.catalog import HardwareProfile
@@ -45,7 +47,7 @@ class Placement:
     resources_per_worker: dict[str, float]
     placement_strategy: str
     accelerator_type: str | None
-    extra: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def scaling_kwargs(self) -> dict:
         return {"num_workers": self.num_workers, "use_gpu": self.use_gpu,
@@ -61,7 +63,10 @@ class Placement:
     def describe(self) -> str:
         """One line for a reason: what the trial waited for."""
         acc = f", accelerator_type {self.accelerator_type}" if self.accelerator_type else ""
-        return f"{self.min_workers} x {self.resources_per_worker} ({self.placement_strategy}{acc})"
+        pinned = self.extra.get("label_selector")
+        nodes = f", pinned to {len({s['ray.io/node-id'] for s in pinned})} leased nodes" if pinned else ""
+        return (f"{self.min_workers} x {self.resources_per_worker} "
+                f"({self.placement_strategy}{acc}{nodes})")
 
 
 # A worker's resources are the profile's (HardwareProfile.ray_resources_per_worker, the one place
@@ -74,14 +79,18 @@ def profile_resources(hw: HardwareProfile) -> dict[str, float]:
     return hw.ray_resources_per_worker()
 
 
-def placement_for(cfg: TrialConfig) -> Placement:
+def placement_for(cfg: TrialConfig, selectors: list[dict[str, str]] | None = None) -> Placement:
     """The trial's placement: STRICT_PACK when its world fits in one node, else PACK over whole
-    nodes (the layout has refused a fixed world that does not fill them). An elastic trial always
-    packs loosely: it exists to grow onto nodes that arrive and to survive one that goes, which a
-    group held to a single node could do only by restarting elsewhere whole (the autoscaling test
-    grows a 1-worker trial onto a new 1-CPU node)."""
+    nodes (the layout has refused a fixed world that does not fill them), pinned to the nodes it
+    leased when `selectors` are given (launch/node_leases.py: per worker, Ray's node-id label). An
+    elastic trial always packs loosely: it exists to grow onto nodes that arrive and to survive
+    one that goes, which a group held to a single node could do only by restarting elsewhere
+    whole (the autoscaling test grows a 1-worker trial onto a new 1-CPU node)."""
     el, hw = cfg.elastic, cfg.hardware_profile
     one_node = el is None and cfg.world_size <= hw.gpus_per_node
+    extra: dict = {"elastic_resize_monitor_interval_s": el.resize_check_s} if el else {}
+    if selectors:
+        extra["label_selector"] = selectors
     return Placement(
         num_workers=(el.min_workers, el.max_workers) if el else cfg.world_size,
         # Ray Train's use_gpu asks for Ray's "GPU" resource: not for a custom one (fake clusters)
@@ -89,7 +98,7 @@ def placement_for(cfg: TrialConfig) -> Placement:
         resources_per_worker=hw.ray_resources_per_worker(),
         placement_strategy="STRICT_PACK" if one_node else "PACK",
         accelerator_type=hw.accelerator_type,
-        extra={"elastic_resize_monitor_interval_s": el.resize_check_s} if el else {},
+        extra=extra,
     )
 
 

@@ -91,6 +91,30 @@ def run_trial(
     root): a Path is made absolute, a string (a URI) goes to Ray untouched. They hold checkpoints
     only: the summary comes back through a TrialChannel actor, which also tells this process when
     the worker group started (launch/deadline.py: placement_timeout_s, then trial_timeout_s)."""
+    from scalestudy.launch.node_leases import PlacementWait, pinned_selectors, release_nodes
+    from scalestudy.launch.storage_probe import visibility_marker
+    from scalestudy.train.resume import wants_checkpoints
+
+    t0 = time.time() if t0 is None else t0
+    holder = f"{cfg.trial_id}-{uuid.uuid4().hex[:8]}"
+    try:
+        placement = placement_for(cfg, pinned_selectors(cfg, holder, t0))
+    except PlacementWait as err:
+        return TrialResult.from_config(cfg, Status.timeout, reason=str(err),
+                                       wall_time_s=time.time() - t0)
+    try:
+        with visibility_marker(wants_checkpoints(cfg), storage_path,
+                               storage_filesystem) as marker:
+            return _fit_trial(cfg, placement, storage_path, t0, callbacks, storage_filesystem,
+                              {"fault": fault, "instrument": instrument, "storage_marker": marker})
+    finally:
+        release_nodes(cfg, holder)
+
+
+def _fit_trial(cfg: TrialConfig, placement, storage_path, t0: float, callbacks, storage_filesystem,
+               worker_args: dict) -> TrialResult:
+    """run_trial once its placement is known: the TorchTrainer, its limits, its result
+    (`worker_args`: the fault to inject, instrumentation, the storage marker to check)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -98,15 +122,13 @@ def run_trial(
     from scalestudy.launch.deadline import StartCallback, TrialTimeout, fit_within_limits
     from scalestudy.launch.worker import train_loop_per_worker
 
-    t0 = time.time() if t0 is None else t0
-    placement = placement_for(cfg)
     # Read by the controller this trial starts (Ray Train propagates it from this process).
     os.environ[HEALTH_CHECK_ENV] = f"{health_check_interval_s(cfg):g}"
     channel = open_channel()
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"trial": cfg.model_dump(mode="json"), "fault": fault,
-                           "instrument": instrument, "channel": channel},
+        train_loop_config={"trial": cfg.model_dump(mode="json"), "channel": channel,
+                           **worker_args},
         scaling_config=ScalingConfig(**placement.scaling_kwargs()),
         torch_config=TorchConfig(backend=cfg.hardware_profile.process_group_backend),
         run_config=RunConfig(

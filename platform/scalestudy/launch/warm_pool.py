@@ -18,6 +18,8 @@ from typing import Any
 
 import ray
 
+from scalestudy.launch.node_leases import nodes_needed, pinned_selectors, release_nodes
+from scalestudy.launch.placement import placement_for
 from scalestudy.launch.warm import WAIT_SLICE_S, TrialWorker, _rank_env, resources_per_worker, shape_of
 from scalestudy.spec.trial import TrialConfig
 
@@ -92,21 +94,37 @@ class WarmPool:
     def acquire(self, cfg: TrialConfig, holder: str) -> tuple[str, list, int, float]:
         """(group id, workers in rank order, trials the group ran before this one, seconds spent
         placing and starting a new group: 0 when an idle one was taken) for the trial `holder`."""
+        shape, t = shape_of(cfg), time.time()
+        selectors = None
+        if nodes_needed(cfg):  # a group over whole nodes: leased first (launch/node_leases.py)
+            with self.lock:
+                found = self._take_idle_unless_abandoned(shape, holder)
+            if found:
+                return found[0], found[1].workers, found[1].trials - 1, 0.0
+            selectors = pinned_selectors(cfg, holder, t, lambda: holder in self.abandoned)
+        try:
+            return self._acquire(cfg, holder, shape, t, selectors)
+        finally:  # once its placement group holds the nodes' devices, they are idle to nobody
+            release_nodes(cfg, holder)
+
+    def _take_idle_unless_abandoned(self, shape: tuple, holder: str) -> tuple[str, Group] | None:
+        if holder in self.abandoned:
+            self.abandoned.discard(holder)
+            raise TrialAbandoned(ABANDONED)
+        return self._take_idle(shape, evict=False, holder=holder)
+
+    def _acquire(self, cfg: TrialConfig, holder: str, shape: tuple, t: float,
+                 selectors: list | None) -> tuple[str, list, int, float]:
         from ray.util.placement_group import placement_group
 
-        from scalestudy.launch.placement import placement_for
-
-        shape, t = shape_of(cfg), time.time()
         with self.lock:
-            if holder in self.abandoned:
-                self.abandoned.discard(holder)
-                raise TrialAbandoned(ABANDONED)
-            found = self._take_idle(shape, evict=False, holder=holder)
+            found = self._take_idle_unless_abandoned(shape, holder)
             if found is None:  # registered before it is placed: an abandon finds it from now on
                 gid = uuid.uuid4().hex[:8]
                 self.groups[gid] = Group(shape, placement_group(
                     [resources_per_worker(cfg)] * cfg.world_size,
-                    strategy=placement_for(cfg).placement_strategy), holder=holder, trials=1)
+                    strategy=placement_for(cfg).placement_strategy,
+                    bundle_label_selector=selectors), holder=holder, trials=1)
         if found:
             return found[0], found[1].workers, found[1].trials - 1, 0.0
         try:
