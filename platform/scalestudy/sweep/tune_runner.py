@@ -11,6 +11,8 @@ from ray.tune import Callback
 from scalestudy.metrics import Status, TrialResult, search_metric
 from scalestudy.spec.sections import SearchAlgorithm
 from scalestudy.spec.study import AXES, PlannedTrial, StudySpec, build_trial, resolve_point
+from scalestudy.sweep.concurrency import (ClusterLimit, FixedLimit, Limit, LiveConcurrencyLimiter,
+                                          LiveVariantGenerator, concurrency_limit, device_resource)
 from scalestudy.sweep.progress import SweepProgress
 from scalestudy.sweep.trainable import RESULT_KEY, trial_trainable
 from scalestudy.track import storage
@@ -22,13 +24,29 @@ TRAINABLE_RESOURCES = {"CPU": 0, "memory": 64 * 1024**2}
 
 
 def default_concurrency(spec: StudySpec, runnable: list[PlannedTrial]) -> int:
-    """As many trials at once as the cluster's devices hold trials of the largest world size."""
+    """As many trials at once as the cluster's devices hold trials of the largest world size, now
+    (no headroom). A sweep follows the cluster instead: see `sweep_limit`."""
     import ray
 
-    gpu = any(h.is_gpu for h in spec.hardware)
-    devices = ray.cluster_resources().get("GPU" if gpu else "CPU", 1)
-    largest = max((p.config.world_size for p in runnable), default=1)
-    return max(1, int(devices // largest))
+    devices = ray.cluster_resources().get(device_resource(_gpu_study(spec)), 1)
+    return concurrency_limit(devices, _largest_world_size(runnable), can_grow=False)
+
+
+def sweep_limit(spec: StudySpec, runnable: list[PlannedTrial], max_concurrent: int | None,
+                can_grow: bool) -> Limit:
+    """The user's fixed limit, else one that follows the cluster's devices while the sweep runs
+    (sweep/concurrency.py): set once at submission, it stays 1 on a cluster whose head has none."""
+    if max_concurrent:
+        return FixedLimit(max_concurrent)
+    return ClusterLimit(device_resource(_gpu_study(spec)), _largest_world_size(runnable), can_grow)
+
+
+def _gpu_study(spec: StudySpec) -> bool:
+    return any(h.is_gpu for h in spec.hardware)
+
+
+def _largest_world_size(runnable: list[PlannedTrial]) -> int:
+    return max((p.config.world_size for p in runnable), default=1)
 
 
 def _param_space(spec: StudySpec, runnable: list[PlannedTrial]) -> dict:
@@ -37,17 +55,18 @@ def _param_space(spec: StudySpec, runnable: list[PlannedTrial]) -> dict:
     return {a: tune.choice(values) for a, values in spec.axis_values().items()}
 
 
-def _searcher(spec: StudySpec):
-    from ray.tune.search import BasicVariantGenerator
-
+def _searcher(spec: StudySpec, limit: Limit):
+    """Every algorithm gets the limit through the search algorithm, not `max_concurrent_trials`:
+    Tune sets that once, and ignores it for a `BasicVariantGenerator` passed in (random search)."""
     if spec.search.algorithm is SearchAlgorithm.optuna:
         from ray.tune.search.optuna import OptunaSearch
 
-        return OptunaSearch(metric=search_metric(spec.search.metric), mode=spec.search.mode,
-                            seed=spec.seed)
+        return LiveConcurrencyLimiter(
+            OptunaSearch(metric=search_metric(spec.search.metric), mode=spec.search.mode,
+                         seed=spec.seed), limit)
     if spec.search.algorithm is SearchAlgorithm.random:
-        return BasicVariantGenerator(random_state=spec.seed)
-    return None
+        return LiveVariantGenerator(limit, random_state=spec.seed)
+    return LiveVariantGenerator(limit)  # the grid: what Tune itself builds for no search_alg
 
 
 def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, results_root: str | Path,
@@ -78,8 +97,8 @@ def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, result
         param_space=_param_space(spec, runnable),
         tune_config=tune.TuneConfig(
             num_samples=1 if grid else (spec.search.num_samples or len(runnable) or 1),
-            max_concurrent_trials=max_concurrent or default_concurrency(spec, runnable),
-            search_alg=_searcher(spec),
+            search_alg=_searcher(spec, sweep_limit(spec, runnable, max_concurrent,
+                                                   can_grow=available is None)),
             metric=None if grid else search_metric(spec.search.metric),
             mode=None if grid else spec.search.mode,
             reuse_actors=reuse_trainables,
