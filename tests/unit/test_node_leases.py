@@ -21,6 +21,9 @@ def test_only_fixed_trials_over_several_nodes_are_pinned():
     assert nodes_needed(_config(world_size=8)) == 0  # one node: STRICT_PACK already
     assert nodes_needed(_config(world_size=32, tp=8)) == 4
     assert nodes_needed(_config(world_size=16, fault_tolerance={"max_failures": 1})) == 0
+    cores = expand(StudySpec(name="c", model="llama2-tiny", hardware="cpu-local", world_size=4,
+                             tp=2))[0].config
+    assert cores.world_size > cores.hardware_profile.gpus_per_node and nodes_needed(cores) == 0
     assert nodes_needed(_config(world_size=16, global_batch=64,
                                 fault_tolerance={"max_failures": 1},
                                 elastic={"min_workers": 16, "max_workers": 16})) == 0

@@ -61,9 +61,13 @@ class NodeShape:
 
 def nodes_needed(cfg: TrialConfig) -> int:
     """Whole nodes to pin the trial to; 0 for a trial that is not pinned (one node, elastic,
-    fault-tolerant)."""
-    per_node = cfg.hardware_profile.gpus_per_node
+    fault-tolerant, or devices that are CPU cores: a CPU profile's "node" of a few cores is a
+    slice of one machine, not a machine, as on this project's one-machine test Ray)."""
+    hw = cfg.hardware_profile
+    per_node = hw.gpus_per_node
     if cfg.elastic is not None or cfg.fault_tolerance.max_failures > 0:
+        return 0
+    if hw.ray_device_resource == "CPU":
         return 0
     if cfg.world_size <= per_node:
         return 0
