@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -43,12 +42,6 @@ def config(layout: dict):
     return planned.config
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_layout(name: str, cfg, rank: int) -> dict:
     """The losses of STEPS steps of ``cfg`` on this rank's process group (and, for a pipeline,
     the activations each stage held at most, its p2p operations and bytes per step)."""
@@ -72,19 +65,21 @@ def run_layout(name: str, cfg, rank: int) -> dict:
             "p2p_ops": reading.p2p_ops, "p2p_bytes": reading.p2p_bytes}
 
 
-def _rank_main(rank: int, jobs: list[tuple[str, dict, int]], folder: str) -> None:
+def _rank_main(rank: int, jobs: list[tuple[str, dict]], folder: str) -> None:
     os.environ["DS_ACCELERATOR"] = "cpu"
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    for name, layout, port in jobs:
+    for name, layout in jobs:
         cfg = config(layout)
         if rank >= cfg.world_size:
             continue
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.world_size),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # as torchrun sets them
-        dist.init_process_group("gloo")
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.world_size))
+        # A file store per job, not a port chosen up front: a port picked before the first job
+        # was taken by a connection of an earlier one once (EADDRINUSE in the suite).
+        dist.init_process_group("gloo", init_method=f"file://{folder}/{name}.store", rank=rank,
+                                world_size=cfg.world_size)
         try:
             result = run_layout(name, cfg, rank)
         finally:
@@ -98,7 +93,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     import torch.multiprocessing as mp
 
     folder = tmp_path_factory.mktemp("pp-exact")
-    jobs = [(name, layout, _free_port()) for name, layout in LAYOUTS.items()]
+    jobs = list(LAYOUTS.items())
     mp.start_processes(_rank_main, args=(jobs, str(folder)), nprocs=4, start_method="spawn")
     return {name: json.loads((folder / f"{name}.json").read_text()) for name in LAYOUTS}
 
