@@ -72,8 +72,7 @@ def checksum(engine) -> list[float]:
     for flat in engine.optimizer.fp32_partitioned_groups_flat:
         x = flat.detach().to("cpu", torch.float64)
         total += torch.stack([x.sum(), (x * x).sum()])
-    device = next(iter(engine.optimizer.fp32_partitioned_groups_flat)).device
-    total = total.to(device)
+    total = total.to(engine.device)  # the process group's device (NCCL: the GPU)
     dist.all_reduce(total)
     return total.cpu().tolist()
 
