@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 
 from scalestudy_analysis import figures_compare as C
 from scalestudy_analysis import figures_ensemble as E
+from scalestudy_analysis import figures_plan as P
 from scalestudy_analysis import figures_scaling as S
 from scalestudy_analysis import figures_trials as T
 from scalestudy_analysis import sentences as W
@@ -77,6 +78,8 @@ FIGURES: tuple[FigureDef, ...] = (
               W.pareto_frontier),
     FigureDef("ensemble_comparison", "One large model or several smaller ones at once",
               E.ensemble_comparison, E.describe),
+    FigureDef("plan_rounds", "Plan: predicted when chosen, refitted and measured, per layout",
+              P.plan_rounds, P.describe),
     FigureDef("trial_overview", "Every trial", T.trial_overview, W.trial_overview),
     FigureDef("memory_per_device", "Peak memory per device", T.memory_per_device,
               W.memory_per_device),

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import platform as _stdlib_platform  # the stdlib module; our `platform/` dir is no package
 import sys
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ import pandas as pd
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.track.mlflow_writer import ROLE_TAG
 from scalestudy_analysis.base import CHOSEN_ATTR
+from scalestudy_analysis.figures_plan import PLAN_ATTR, PLAN_FILE
 from scalestudy_analysis.figures import Panel, draw_all, save_pngs
 from scalestudy_analysis.host import host_hardware
 from scalestudy_analysis.html import render
@@ -66,9 +68,11 @@ def software_versions() -> dict[str, str]:
 def write_report(df: pd.DataFrame, out_dir: str | Path, study: str, *,
                  spec_text: str | None = None, spec_source: str | None = None,
                  data_source: str = "a DataFrame", notes: list[str] | None = None,
-                 profiles: Mapping[str, ChosenProfile] | None = None) -> Report:
+                 profiles: Mapping[str, ChosenProfile] | None = None,
+                 plan: dict | None = None) -> Report:
     """report.html and the PNGs of df. Every MFU and HFU is recomputed against one peak per
-    hardware and precision: that of `profiles` (what report_study chose), else the catalogue's."""
+    hardware and precision: that of `profiles` (what report_study chose), else the catalogue's.
+    `plan`: the record of the `scalestudy plan` that measured the study, for its figure."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     chosen = dict(profiles or {})
@@ -76,6 +80,8 @@ def write_report(df: pd.DataFrame, out_dir: str | Path, study: str, *,
         chosen[name] = catalogue_choice(name)
     df = one_peak(df, chosen)
     df.attrs[CHOSEN_ATTR] = chosen
+    if plan:
+        df.attrs[PLAN_ATTR] = plan
     panels = draw_all(df)
     pngs = save_pngs(panels, out)
     text = render(study, df, panels, spec_text=spec_text, spec_source=spec_source,
@@ -85,6 +91,16 @@ def write_report(df: pd.DataFrame, out_dir: str | Path, study: str, *,
     path.write_text(text, encoding="utf-8")
     return Report(path=path, pngs=pngs, panels=panels, notes=list(notes or []), frame=df,
                   profiles=chosen)
+
+
+def plan_record(study: str, results_root: str | Path) -> dict | None:
+    """The record `scalestudy plan` left beside the study's ledger, None when no plan measured it."""
+    from scalestudy.track import storage
+
+    location = storage.join(results_root, study, PLAN_FILE)
+    if not storage.exists(location):
+        return None
+    return json.loads(storage.read_bytes(location))
 
 
 def _spec_of(study: str, spec_path: str | Path | None):
@@ -206,7 +222,8 @@ def report_study(study: str, out_dir: str | Path | None = None, *,
             notes.append(note)
     out = Path(out_dir) if out_dir else Path("reports") / study
     report = write_report(df, out, study, spec_text=spec_text, spec_source=spec_source,
-                          data_source=data_source, notes=notes, profiles=chosen)
+                          data_source=data_source, notes=notes, profiles=chosen,
+                          plan=plan_record(study, results_root))
     if log_to_mlflow and run_id is not None:
         try:
             log_report(report, run_id, uri)

@@ -6,6 +6,7 @@ runs as a study."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any
@@ -15,7 +16,7 @@ import yaml
 from scalestudy import metrics as M
 from scalestudy.cli_common import emit_json, fail, print_table, say
 from scalestudy.errors import SpecError
-from scalestudy.plan.rounds import Measured, PlanBudget, PlanOutcome, run_plan
+from scalestudy.plan.rounds import PLAN_RECORD, Measured, PlanBudget, PlanOutcome, run_plan
 from scalestudy.plan.space import (PLAN_COLUMNS, PlanRequest, families_line, rank, space_spec,
                                    table_rows)
 from scalestudy.plan.build import plan_spec
@@ -82,6 +83,7 @@ def measure_plan(req: PlanRequest, profile: HardwareProfile, hardware: str, *, t
     rows = measured_rows(outcome)
     study = space_spec(req, profile, **settings).name
     plan_file = write_plan_yaml(outcome, req, hardware, settings, results_root, study)
+    write_plan_record(outcome, rows, req, results_root, study)
     fitted = write_refit(outcome, results_root, study)
     if json_:
         emit_json(rows)
@@ -182,6 +184,36 @@ def write_plan_yaml(outcome: PlanOutcome, req: PlanRequest, hardware: str,
             f"({req.objective.value} {best.score:.4g}); stopped: {outcome.stop_reason}\n")
     storage.write_bytes(location, (head + yaml.safe_dump(spec, sort_keys=False)).encode())
     return str(location)
+
+
+def write_plan_record(outcome: PlanOutcome, rows: list[dict[str, Any]], req: PlanRequest,
+                      results_root: str, study: str) -> str:
+    """What the plan did, beside the study's ledger, for `scalestudy report`'s plan figure: every
+    measured layout (predicted when chosen, by the last refit, measured), the rounds, the answer."""
+    best = outcome.recommended
+    record = {
+        "model": req.model, "hardware": req.hardware, "devices": req.devices,
+        "objective": req.objective.value, "recommended": best.name if best else None,
+        "stop_reason": outcome.stop_reason, "spent_trials": outcome.spent_trials,
+        "spent_device_hours": outcome.spent_device_hours,
+        "rounds": [{"index": r.index, "in_sample_error": r.in_sample_error,
+                    "heldout_error": r.heldout_error} for r in outcome.rounds],
+        "layouts": rows,
+    }
+    location = storage.join(results_root, study, PLAN_RECORD)
+    # NaN (a layout that failed) as null: strict JSON that any reader parses.
+    storage.write_bytes(location, json.dumps(_nan_to_none(record), default=str).encode())
+    return str(location)
+
+
+def _nan_to_none(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_nan_to_none(v) for v in x]
+    return x
 
 
 def write_refit(outcome: PlanOutcome, results_root: str, study: str) -> str | None:

@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import re
 
+import pandas as pd
 import yaml
 from typer.testing import CliRunner
 
 from scalestudy.cli import app
 from scalestudy.track.ledger import Ledger, ledger_path
+from scalestudy_analysis.figures_plan import PLAN_ATTR, plan_rounds
+from scalestudy_analysis.report import plan_record
 
 ARGS = ["plan", "llama2-tiny", "--hardware", "cpu-local", "--devices", "2", "--global-batch", "8",
         "--seq-len", "64", "--space", "zero", "--top-k", "2", "--rounds", "2", "--budget", "3",
@@ -42,6 +45,12 @@ def test_plan_measures_refits_and_recommends_a_measured_layout(ray_session, tmp_
     assert len({r["trial_id"] for r in rows}) == spent
 
     assert (root / study / "fitted-cpu-local.yaml").is_file()  # what the study's report predicts with
+    record = plan_record(study, root)  # what the report's plan figure draws
+    assert len(record["layouts"]) == spent and record["stop_reason"] == stop.strip()
+    assert record["recommended"] == max(record["layouts"], key=lambda r: r["measured"])["trial"]
+    frame = pd.DataFrame()
+    frame.attrs[PLAN_ATTR] = record
+    assert plan_rounds(frame).axes
     plan_file = root / study / "plan.yaml"
     spec = yaml.safe_load(plan_file.read_text())
     best = max(rows, key=lambda r: r["tokens_per_s"])

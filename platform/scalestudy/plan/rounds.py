@@ -56,6 +56,10 @@ class PlanBudget(BaseModel):
         return cls(trials=int(m.group(1)))
 
 
+# What `scalestudy plan` leaves beside the ledger of the study it measured (cli_plan_rounds.py),
+# read by the report's plan figure (scalestudy_analysis/figures_plan.py).
+PLAN_RECORD = "plan_rounds.json"
+
 @dataclass
 class Measured:
     """A measured layout: as ranked when it was chosen, its result, and its measured score."""
