@@ -31,7 +31,7 @@ def test_calibrate_on_ray_relays_progress_and_writes_a_profile(ray_session, tmp_
     assert len(progress) == len(set(progress))  # each once: relayed, not also forwarded
     hw = load_hardware_file(out)
     cal = hw.calibration
-    assert cal["calibration_world_size"] == 2.0 and cal["in_step_slowdown"] >= 1.0
+    assert cal["calibration_world_size"] == 2.0 and cal["in_step_slowdown"] >= 0.5
     assert any(k.startswith("gemm_tflops_") for k in cal) and "busbw_gbps_all_reduce" in cal
     # The pipeline terms come through the same path as calibrate --local's (issue 33).
     assert "busbw_gbps_send_recv" in cal and any(k.endswith("_ws2_pp2") for k in cal)

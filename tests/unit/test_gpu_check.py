@@ -14,6 +14,7 @@ import time
 import pytest
 
 from scalestudy.calibrate import gpucheck
+from scalestudy.calibrate.reference_step import IN_STEP_RANGE
 from tests.conftest import REPO
 
 BLOCK = "import sys\nsys.modules['ray'] = None\nsys.modules['mlflow'] = None\n"
@@ -100,7 +101,9 @@ def test_profile_from_measured_figures_is_one_the_model_reads():
     # MFU keeps the datasheet denominator; the best GEMM measured is an efficiency of it.
     assert profile.peak_tflops["bf16"] == base.peak_tflops["bf16"]
     assert profile.calibration["gemm_efficiency"] == pytest.approx(700.0 / base.peak_tflops["bf16"])
-    assert profile.calibration["in_step_slowdown"] >= 1.0
+    # Inside the solve's range (calibrate/reference_step.py): the synthetic step is faster than the
+    # parts, so the factor sits at its floor.
+    assert profile.calibration["in_step_slowdown"] >= IN_STEP_RANGE[0]
     cfg = trial(["world_size=8", "zero_stage=3", "hardware=h100-80gb", "precision=bf16"])
     assert predict(cfg, profile).tokens_per_s > 0
 

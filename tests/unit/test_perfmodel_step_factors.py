@@ -6,7 +6,7 @@ import pytest
 
 from scalestudy.calibrate.reference_step import factors, reference_config, solve_factor
 from scalestudy.perfmodel.compute import compute_times
-from scalestudy.perfmodel.params import params_for
+from scalestudy.perfmodel.params import params_for, without_precision_ratios
 from scalestudy.perfmodel.predict import simulate
 from scalestudy.spec import catalog
 
@@ -66,3 +66,28 @@ def test_reference_shape_is_not_the_quickstart_shape():
     for planned in plan_study(load_spec(QUICKSTART)):
         c = planned.config
         assert (c.micro_batch, c.seq_len) != (ref.micro_batch, ref.seq_len)
+
+
+def test_factors_are_solved_per_precision_and_kept_as_ratios_to_their_median():
+    """fp32's parts 20% under its step, bf16's 20% over (the in-step factor below 1: params.py); the
+    TP overhead twice as large in bf16. The profile keeps the medians and each precision's ratio,
+    and predicts each precision's measured reference steps from them."""
+    truth = {"fp32": {"in_step_slowdown": 1.2, "tp_collective_overhead_s": 1e-3},
+             "bf16": {"in_step_slowdown": 0.8, "tp_collective_overhead_s": 2e-3}}
+    measured = {kind: {p: _step_s(reference_config(p, ws, tp=tp), **truth[p]) for p in truth}
+                for kind, ws, tp in (("alone", 1, 1), ("shared", 2, 1), ("tp", 2, 2))}
+    out = factors(CPU, "cpu-local", measured["alone"], measured["shared"], world=2,
+                  tp_s=measured["tp"])
+    assert out["in_step_slowdown"] == pytest.approx(1.0, rel=1e-6)
+    assert out["in_step_slowdown_ratio_fp32"] == pytest.approx(1.2, rel=1e-6)
+    assert out["in_step_slowdown_ratio_bf16"] == pytest.approx(0.8, rel=1e-6)
+    assert out["tp_collective_overhead_s_ratio_bf16"] == pytest.approx(
+        2 * out["tp_collective_overhead_s_ratio_fp32"], rel=1e-4)
+    assert out["shared_node_slowdown"] == pytest.approx(1.0, abs=1e-6)
+    profile = CPU.model_copy(update={"calibration": {**CPU.calibration, **out}})
+    for kind, ws, tp in (("alone", 1, 1), ("shared", 2, 1), ("tp", 2, 2)):
+        for p in truth:
+            cfg = reference_config(p, ws, tp=tp).model_copy(update={"hardware_profile": profile})
+            assert _step_s(cfg) == pytest.approx(measured[kind][p], rel=1e-4)
+    # A new calibration starts without them: none outlives the medians it was taken against.
+    assert not any("_ratio_" in k for k in without_precision_ratios(profile.calibration))

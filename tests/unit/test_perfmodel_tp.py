@@ -23,7 +23,9 @@ def _cfg(model: str, hardware: str = "h100-80gb", **axes):
 
 def _tp_calls_per_layer(cfg, **params) -> float:
     p = params_for(cfg.hardware_profile, **params)
-    (tp,) = [c for c in par.communication(cfg, p) if c.group == "tp"]
+    # The blocks' all-reduces: the most frequent TP collective (AutoTP's gathered LM head adds
+    # one all-gather and one all-reduce per micro-batch: test below)
+    tp = max((c for c in par.communication(cfg, p) if c.group == "tp"), key=lambda c: c.calls_per_step)
     return tp.calls_per_step / (cfg.grad_accum * cfg.model_dims.num_layers)
 
 
@@ -50,3 +52,26 @@ def test_a_measured_trial_is_priced_as_the_autotp_it_ran():
     measured = simulated.model_copy(update={"backend": Backend.measure})
     assert _tp_calls_per_layer(simulated) == 2 + 2
     assert _tp_calls_per_layer(measured) == 2 + 5
+
+
+@pytest.mark.parametrize("model, head_ranks, gathers", [("llama2-7b", 8, 1), ("gpt2-tiny", 1, 0)])
+def test_autotp_lm_head_as_deepspeed_splits_it(model, head_ranks, gathers):
+    """AutoTP (training): an untied head column-parallel, its logits all-gathered before a loss over
+    the whole vocabulary; a head tied to the embedding (gpt2-tiny's OPT blocks) left whole on every
+    rank. Megatron: a vocab-parallel head and loss. perfmodel/layouts.lm_head_split."""
+    from scalestudy.perfmodel import layouts
+    from scalestudy.perfmodel.compute import compute_times
+
+    cfg = _cfg(model, seq_len=512)
+    megatron, autotp = params_for(cfg.hardware_profile), params_for(
+        cfg.hardware_profile, tp_all_reduce_per_linear=True)
+    vocab = cfg.model_dims.vocab_size
+    assert layouts.lm_head_split(cfg, megatron) == (8, vocab / 8)
+    assert layouts.lm_head_split(cfg, autotp) == (head_ranks, vocab)
+    logits = [c for c in par.communication(cfg, autotp) if c.group == "tp" and c.kind == "all_gather"]
+    assert len(logits) == gathers
+    if gathers:
+        assert logits[0].bytes_per_call == cfg.micro_batch * cfg.seq_len * vocab * 2  # bf16 logits
+    assert not [c for c in par.communication(cfg, megatron) if c.kind == "all_gather"]
+    # The tied head's whole GEMM and the whole-vocabulary loss cost more compute than Megatron's
+    assert compute_times(cfg, autotp).forward_s > compute_times(cfg, megatron).forward_s

@@ -33,6 +33,7 @@ from typing import Any
 
 from scalestudy import metrics as M
 from scalestudy.metrics import CALIBRATED_COLLECTIVES, busbw_factor
+from scalestudy.perfmodel.params import without_precision_ratios
 from scalestudy.spec.catalog import HardwareProfile, get_hardware
 
 # (tokens, K, N): TinyLlama-1.1B / Llama-7B projections and MLPs at 4k-16k tokens, then squares.
@@ -203,7 +204,7 @@ def profile_from(base: HardwareProfile, alone: dict[str, Any], shared: dict[str,
     from scalestudy.calibrate import reference_step
 
     data = base.model_dump(mode="json")
-    cal: dict[str, Any] = dict(data.get("calibration") or {})
+    cal: dict[str, Any] = without_precision_ratios(data.get("calibration") or {})
     cal["gemm_tflops_bf16"] = alone["gemm"]
     # MFU stays a share of the datasheet peak (the paper's definition; the H200 check first reported
     # 0.35 against the measured best GEMM where the datasheet peak gives 0.27): the best GEMM

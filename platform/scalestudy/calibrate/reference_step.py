@@ -31,7 +31,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from scalestudy.perfmodel.params import params_for
+from scalestudy.perfmodel.params import PER_PRECISION, params_for
 from scalestudy.perfmodel.predict import simulate
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.spec.load import validate_spec
@@ -45,6 +45,8 @@ REFERENCE = {"model": "llama2-calib", "micro_batch": 2, "seq_len": 192, "zero_st
 REFERENCE_GPU = {"model": "llama2-calib-gpu", "micro_batch": 2, "seq_len": 3072, "zero_stage": 0}
 WARMUP_STEPS = 3
 FACTOR_RANGE = (1.0, 8.0)  # a slowdown is at least 1; 8 only bounds the search
+# The step against its parts benchmarked alone: below 1 where the parts ran slow (params.py)
+IN_STEP_RANGE = (0.5, 8.0)
 PIPELINE_FACTOR_RANGE = (0.25, 4.0)  # faster or slower than the engine step: bounds only
 OVERHEAD_RANGE_S = (0.0, 0.01)  # per ZeRO-3 module run; 10 ms only bounds the search
 
@@ -191,21 +193,31 @@ def factors(profile: HardwareProfile, base: str, alone_s: dict[str, float],
                                pp=pp)
         return cfg.model_copy(update={"hardware_profile": profile, "hardware": profile.name})
 
-    out = {"in_step_slowdown": statistics.median(
-        solve_factor(on(p, 1), "in_step_slowdown", s) for p, s in alone_s.items())}
-    if zero3_alone_s:
-        out["zero3_module_overhead_s"] = statistics.median(
-            solve_factor(on(p, 1, 3), "zero3_module_overhead_s", s, OVERHEAD_RANGE_S, **out)
-            for p, s in zero3_alone_s.items())
-    if shared_s and world > 1:
-        out["shared_node_slowdown"] = statistics.median(
-            solve_factor(on(p, world), "shared_node_slowdown", s, **out) for p, s in shared_s.items())
-    if tp_s and world > 1:
-        out["tp_collective_overhead_s"] = statistics.median(
-            solve_factor(on(p, world, tp=world), "tp_collective_overhead_s", s, OVERHEAD_RANGE_S,
-                         **out) for p, s in tp_s.items())
-    if pp_s and world > 1:
-        out["pipeline_compute_factor"] = statistics.median(
-            solve_factor(on(p, world, pp=world), "pipeline_compute_factor", s,
-                         PIPELINE_FACTOR_RANGE, **out) for p, s in pp_s.items())
+    solved: dict[str, dict[str, float]] = {}  # field -> {precision: value}
+
+    def solve(name: str, measured: dict[str, float] | None, cfg_of, span=FACTOR_RANGE) -> None:
+        """`name` per precision, each with the factors solved before it at that precision."""
+        if measured:
+            solved[name] = {p: solve_factor(cfg_of(p), name, s, span,
+                                            **{n: v[p] for n, v in solved.items() if p in v})
+                            for p, s in measured.items()}
+
+    solve("in_step_slowdown", alone_s, lambda p: on(p, 1), IN_STEP_RANGE)
+    solve("zero3_module_overhead_s", zero3_alone_s, lambda p: on(p, 1, 3), OVERHEAD_RANGE_S)
+    if world > 1:
+        solve("shared_node_slowdown", shared_s, lambda p: on(p, world))
+        solve("tp_collective_overhead_s", tp_s, lambda p: on(p, world, tp=world), OVERHEAD_RANGE_S)
+        solve("pipeline_compute_factor", pp_s, lambda p: on(p, world, pp=world),
+              PIPELINE_FACTOR_RANGE)
+    return _with_ratios(solved)
+
+
+def _with_ratios(solved: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Each factor's median over the precisions, and for those the model reads per precision
+    (params.PER_PRECISION) each precision's ratio to that median."""
+    out: dict[str, float] = {}
+    for name, by_precision in solved.items():
+        out[name] = statistics.median(by_precision.values())
+        if name in PER_PRECISION and len(by_precision) > 1 and out[name] > 0:
+            out.update({f"{name}_ratio_{p}": v / out[name] for p, v in by_precision.items()})
     return out

@@ -54,6 +54,7 @@ from scalestudy.calibrate import reference_step
 from scalestudy.calibrate.collectives import comm_curves
 from scalestudy.calibrate.kernels import (attention_rows, cross_entropy_rows, engine_costs,
                                           gemm_curve, op_overhead_s, stream_gbps)
+from scalestudy.perfmodel.params import without_precision_ratios
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.track.storage import default_results_root, join, ray_storage
 
@@ -267,7 +268,7 @@ def build_profile(base: HardwareProfile, alone: dict, shared: dict | None,
                   name: str | None = None) -> HardwareProfile:
     """Base figures overridden by the measured ones; extras in `calibration`."""
     data = base.model_dump(mode="json")
-    cal: dict[str, Any] = dict(data.get("calibration") or {})
+    cal: dict[str, Any] = without_precision_ratios(data.get("calibration") or {})
     for prec, curve in alone["gemm"].items():
         cal[f"gemm_tflops_{prec}"] = curve
         data["peak_tflops"][prec] = max(c[1] for c in curve)

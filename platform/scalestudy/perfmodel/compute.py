@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from scalestudy.perfmodel import layouts
 from scalestudy.perfmodel.memory import params_per_device
-from scalestudy.perfmodel.params import ModelParams
+from scalestudy.perfmodel.params import ModelParams, precision_ratio
 from scalestudy.spec.catalog import HardwareProfile, ModelDims, Precision
 from scalestudy.spec.study import TrialConfig
 
@@ -271,8 +271,9 @@ def compute_times(cfg: TrialConfig, p: ModelParams) -> ComputeTimes:
     attn_f, attn_b, attn_flops, attn_bwd = _attention(d, cfg, p, tokens)
     attn_moved = d.moved - block_moved
     d.flops = d.moved = 0.0
-    head_gemm = d.gemm(tokens, dims.hidden_size, dims.vocab_size / tp)
-    loss_f, loss_b = d.loss(tokens, dims.vocab_size / tp)
+    head_ranks, loss_vocab = layouts.lm_head_split(cfg, p)
+    head_gemm = d.gemm(tokens, dims.hidden_size, dims.vocab_size / head_ranks)
+    loss_f, loss_b = d.loss(tokens, loss_vocab)
     redo = p.recompute_fraction if cfg.activation_checkpointing else 0.0
     attn_redo = 0.0
     if layouts.selective(cfg):  # the attention core only (layouts.py)
@@ -289,7 +290,9 @@ def compute_times(cfg: TrialConfig, p: ModelParams) -> ComputeTimes:
     recompute = layers * (layer_f * redo + attn_f * attn_redo)
     # The parts above inside a real step (see params.py). The ZeRO-3 hook and optimizer figures below
     # were measured inside an engine step already, so in_step_slowdown does not apply to them.
-    k = p.in_step_slowdown / p.software_efficiency  # (software_efficiency: params.py, item 8)
+    hw, prec = cfg.hardware_profile, cfg.precision.value
+    k = (p.in_step_slowdown * precision_ratio(hw, "in_step_slowdown", prec)
+         / p.software_efficiency)  # (software_efficiency: params.py, item 8)
     fwd, bwd, recompute, layer_f, layer_b = (x * k for x in (fwd, bwd, recompute, layer_f, layer_b))
     if cfg.zero_stage == 3 and p.zero3_module_overhead_s:
         hooks = layers * MODULES_PER_LAYER[dims.architecture] + MODULES_OUTSIDE_LAYERS[dims.architecture]
@@ -301,7 +304,8 @@ def compute_times(cfg: TrialConfig, p: ModelParams) -> ComputeTimes:
         fwd, bwd, recompute, layer_f, layer_b = (
             x * p.pipeline_compute_factor for x in (fwd, bwd, recompute, layer_f, layer_b))
     if min(cfg.world_size, cfg.hardware_profile.gpus_per_node) > 1:
-        shared = p.shared_node_slowdown  # every device of the node busy at once
+        # every device of the node busy at once
+        shared = p.shared_node_slowdown * precision_ratio(hw, "shared_node_slowdown", prec)
         fwd, bwd, recompute, layer_f, layer_b = (
             x * shared for x in (fwd, bwd, recompute, layer_f, layer_b))
     held = params_per_device(dims, tp, cfg.pp) / (cfg.dp if cfg.zero_stage >= 1 else 1)

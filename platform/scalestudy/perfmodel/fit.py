@@ -32,7 +32,7 @@ FREE_PARAMS = {
 }
 _BOUNDS = {  # (low, high) of the physical range, in the parameter's own units
     "op_overhead_s": (1e-7, 1e-2), "step_overhead_s": (1e-6, 10.0),
-    "in_step_slowdown": (1.0, 10.0), "shared_node_slowdown": (1.0, 10.0),
+    "in_step_slowdown": (0.5, 10.0), "shared_node_slowdown": (1.0, 10.0),
     "gemm_efficiency": (0.05, 1.0),
     "attention_efficiency": (0.05, 1.0), "network_efficiency": (0.05, 1.0),
     "overlap_slowdown": (1e-3, 1.0), "software_efficiency": (0.3, 1.0),

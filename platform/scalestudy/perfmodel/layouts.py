@@ -36,7 +36,7 @@ from scalestudy.perfmodel import network as net
 from scalestudy.spec.catalog import HardwareProfile, ModelDims
 from scalestudy.spec.checks import FP8_PEAK_KEY
 from scalestudy.spec.study import TrialConfig
-from scalestudy.spec.trial import RecomputeGranularity
+from scalestudy.spec.trial import Backend, RecomputeGranularity
 
 # Bytes through HBM per element to cast a bf16 operand to FP8 (read 2, write 1); TE fuses the amax
 # it needs for the scale into the same kernel.
@@ -68,6 +68,27 @@ def attention_share(dims: ModelDims, seq_len: int) -> float:
 
     attn = 4.0 * dims.num_layers * dims.hidden_size * seq_len
     return attn / (2.0 * matmul_params(dims) + attn)
+
+
+def autotp(cfg: TrialConfig, p) -> bool:
+    """Whether this trial's TP is DeepSpeed AutoTP's (params.tp_all_reduce_per_linear): a measured
+    trial's always, whatever the profile prices by default (the catalogue's GPU profiles describe
+    the published, Megatron-style runs)."""
+    return bool(p.tp_all_reduce_per_linear) or cfg.backend == Backend.measure
+
+
+def lm_head_split(cfg: TrialConfig, p) -> tuple[int, float]:
+    """(ranks the LM head's GEMM is split over, vocabulary the loss runs over on each rank).
+    Megatron: a vocab-parallel head and loss, 1/tp each. AutoTP in training (DeepSpeed 0.19.8,
+    module_inject/auto_tp.py): an untied head is column-parallel with gather_output, so each rank
+    computes vocab/tp logits, all-gathers them (parallelism.py) and runs the loss over the whole
+    vocabulary; a head tied to the embedding is left whole on every rank ("leaving these modules
+    replicated to preserve tied weights"). Checked with torchrun at tp 2 (2026-12-07): gpt2-tiny's
+    tied OPT head stays a Linear (4096, 96), llama2-calib's becomes a LinearLayer (1536, 128)."""
+    vocab = cfg.model_dims.vocab_size
+    if cfg.tp == 1 or not autotp(cfg, p):
+        return cfg.tp, vocab / cfg.tp
+    return (1 if cfg.model_dims.lm_head_params() == 0 else cfg.tp), vocab
 
 
 def tp_collectives(cfg: TrialConfig) -> tuple[tuple[str, float], ...]:

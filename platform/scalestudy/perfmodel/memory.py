@@ -19,7 +19,8 @@ them (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py; engine.py picks the op
   ZeRO-1/2 shard master and Adam over dp; both keep only their own partition's gradients
   (`grads_in_partition`); ZeRO-3 also shards the weights and keeps a gradient partition buffer
   (`grad_partitions_flat_buffer`, allocated once). AutoTP shards the nn.Linear layers over tp
-  (lm_head included) and keeps the embedding whole on every tp rank (module_inject/auto_tp.py).
+  (an untied lm_head included; one tied to the embedding stays whole, as the embedding does on
+  every tp rank: module_inject/auto_tp.py, layouts.lm_head_split).
 DeepSpeed's buffers (parallel/deepspeed_config.py sets the sizes; DeepSpeed's defaults otherwise):
   reduce buckets: ZeRO-1/2 allocate reduce_bucket_size (5e8) elements per backward, twice with
   overlap_comm (`setup_buckets`); ZeRO-3 one bucket at start-up. ZeRO-0 flattens gradients into

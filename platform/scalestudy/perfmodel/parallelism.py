@@ -46,7 +46,7 @@ from scalestudy.perfmodel import network as net
 from scalestudy.perfmodel import zero3 as z3
 from scalestudy.perfmodel.compute import ComputeTimes
 from scalestudy.perfmodel.memory import params_per_device
-from scalestudy.perfmodel.params import ModelParams
+from scalestudy.perfmodel.params import ModelParams, precision_ratio
 from scalestudy.spec.catalog import ModelDims, Precision
 from scalestudy.spec.study import TrialConfig
 from scalestudy.spec.trial import Backend, GatherGranularity
@@ -123,18 +123,22 @@ def communication(cfg: TrialConfig, p: ModelParams) -> list[Comm]:
                 add(net.ALL_GATHER, AFTER_STEP, 1, held * w, dp_g)
     if cfg.tp > 1:
         act = layouts.local_tokens(cfg) * dims.hidden_size * cfg.precision.bytes
-        # A measured trial ran this platform's TP, AutoTP, whatever the profile prices by default
-        # (the catalogue's GPU profiles describe the published, Megatron-style runs).
-        autotp = p.tp_all_reduce_per_linear or cfg.backend == Backend.measure
+        autotp = layouts.autotp(cfg, p)
         backward = COLUMN_PARALLEL_LINEARS[dims.architecture] if autotp else 2
         # Full recomputation reruns the block's two forward collectives; selective recomputation
         # reruns the attention core only, inside the TP region, with none (layouts.py).
         redo = 2 * p.recompute_fraction if cfg.activation_checkpointing else 0
         redo = 0 if layouts.selective(cfg) else redo
         per_layer = 2 + backward + redo
+        extra_s = p.tp_collective_overhead_s * precision_ratio(
+            cfg.hardware_profile, "tp_collective_overhead_s", cfg.precision.value)
         for kind, calls in layouts.tp_collectives(cfg):  # sequence parallelism: AG + RS
             add(kind, BLOCKING, m * layers * per_layer * calls, act, tp_g, name="tp",
-                extra_s=p.tp_collective_overhead_s)
+                extra_s=extra_s)
+        if autotp and layouts.lm_head_split(cfg, p)[0] > 1:  # AutoTP's gathered LM head
+            logits = layouts.local_tokens(cfg) * dims.vocab_size * cfg.precision.bytes
+            add(net.ALL_GATHER, BLOCKING, m, logits, tp_g, name="tp", extra_s=extra_s)
+            add(net.ALL_REDUCE, BLOCKING, m, act, tp_g, name="tp", extra_s=extra_s)  # its input grad
     if cfg.pp > 1:
         act = layouts.local_tokens(cfg) * dims.hidden_size * cfg.precision.bytes
         # Megatron splits each boundary's activation over the tp ranks (scatter/gather); the
