@@ -75,3 +75,15 @@ def test_autotp_lm_head_as_deepspeed_splits_it(model, head_ranks, gathers):
     assert not [c for c in par.communication(cfg, megatron) if c.kind == "all_gather"]
     # The tied head's whole GEMM and the whole-vocabulary loss cost more compute than Megatron's
     assert compute_times(cfg, autotp).forward_s > compute_times(cfg, megatron).forward_s
+
+
+def test_zero3_gathers_autotp_embedding_whole():
+    """Under AutoTP every tp rank holds the whole embedding (checked with torchrun: Embedding
+    (3072, 128) at tp 2), so ZeRO-3 gathers all of it; Megatron's vocab-parallel embedding 1/tp."""
+    cfg = _cfg("llama2-7b", world_size=16, tp=8, zero_stage=3)
+    megatron, autotp = params_for(cfg.hardware_profile), params_for(
+        cfg.hardware_profile, tp_all_reduce_per_linear=True)
+    whole = cfg.model_dims.embedding_params()
+    assert par._plan(cfg, autotp).emb == whole
+    assert par._plan(cfg, megatron).emb == pytest.approx(whole / 8)
+    assert par._plan(cfg, autotp).head == par._plan(cfg, megatron).head  # untied: split either way

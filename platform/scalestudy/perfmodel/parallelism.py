@@ -204,23 +204,27 @@ class _Zero3Plan:
     max_live: float = z3.MAX_LIVE
 
 
-def _plan(cfg: TrialConfig) -> _Zero3Plan:
+def _plan(cfg: TrialConfig, p: ModelParams) -> _Zero3Plan:
     block = cfg.gather_granularity is GatherGranularity.block
-    return _plan_of(cfg.model_dims, cfg.tp, cfg.pp, block)
+    return _plan_of(cfg.model_dims, cfg.tp, cfg.pp, block, layouts.autotp(cfg, p))
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_of(dims: ModelDims, tp: int, pp: int, block: bool = False) -> _Zero3Plan:
+def _plan_of(dims: ModelDims, tp: int, pp: int, block: bool = False,
+             autotp: bool = False) -> _Zero3Plan:
     layers = dims.num_layers // pp
     if block:
         return _block_plan(dims, tp, pp, layers)
     groups = z3.gather_groups(z3.block_weights(dims, tp))
     blocks = layers * sum(groups)
     big = z3.PERSISTENCE_THRESHOLD
-    emb = dims.embedding_params() / tp
+    # AutoTP keeps the embedding, and a head tied to it, whole on every tp rank (layouts.lm_head_split);
+    # Megatron splits both over the vocabulary.
+    whole = 1 if autotp else tp
+    emb = dims.embedding_params() / whole
     emb = emb if emb > big else 0.0  # the first stage holds the embedding (params_per_device)
     tied = dims.lm_head_params() == 0
-    head = (dims.vocab_size * dims.hidden_size if tied else dims.lm_head_params()) / tp
+    head = dims.vocab_size * dims.hidden_size / whole if tied else dims.lm_head_params() / tp
     head = head if head > big and pp == 1 else 0.0
     if tied and blocks <= z3.MAX_REUSE_DISTANCE:
         head = 0.0  # the embedding weight is still gathered when the tied head runs
@@ -255,7 +259,7 @@ def _bucket(plan: _Zero3Plan) -> float:
 def _zero3_calls(cfg: TrialConfig, p: ModelParams, g: net.Group, w: int):
     """(kind, phase, calls per micro-batch, bytes per call, seconds per call) of ZeRO-3's traffic,
     grouped by call size (one gather per prefetch group, see zero3.py)."""
-    hw, plan = cfg.hardware_profile, _plan(cfg)
+    hw, plan = cfg.hardware_profile, _plan(cfg, p)
     calls: dict[float, list[float]] = {}
     for numel in plan.groups:
         calls.setdefault(numel, [0.0, 0.0])[0] += plan.layers
@@ -305,7 +309,7 @@ def _units(cfg: TrialConfig, p: ModelParams, ct: ComputeTimes, plan: _Zero3Plan,
 
 def zero3_phases(cfg: TrialConfig, p: ModelParams, ct: ComputeTimes) -> Zero3Phases:
     w = 4 if cfg.precision is Precision.fp32 else 2
-    plan = _plan(cfg)
+    plan = _plan(cfg, p)
     gather, fwd, bwd, per_elem = _units(cfg, p, ct, plan, w)
     layers, block = plan.layers, sum(plan.groups)
     # Reductions: amortised per block when the model fills several buckets; otherwise one bucket,
