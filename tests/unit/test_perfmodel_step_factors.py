@@ -91,3 +91,18 @@ def test_factors_are_solved_per_precision_and_kept_as_ratios_to_their_median():
             assert _step_s(cfg) == pytest.approx(measured[kind][p], rel=1e-4)
     # A new calibration starts without them: none outlives the medians it was taken against.
     assert not any("_ratio_" in k for k in without_precision_ratios(profile.calibration))
+
+
+def test_an_overhead_solved_at_zero_for_one_precision_stays_zero():
+    """A quick calibration on the 2-core EPYC (2026-12-07) solved bf16's TP overhead at 0 and fp32's
+    above it: bf16's ratio is 0, which the model must read as 0, not as 'not calibrated' (1)."""
+    truth = {"fp32": 2e-3, "bf16": 0.0}
+    tp_s = {p: _step_s(reference_config(p, 2, tp=2), tp_collective_overhead_s=v)
+            for p, v in truth.items()}
+    alone = {p: _step_s(reference_config(p, 1)) for p in truth}
+    shared = {p: _step_s(reference_config(p, 2)) for p in truth}
+    out = factors(CPU, "cpu-local", alone, shared, world=2, tp_s=tp_s)
+    assert out["tp_collective_overhead_s_ratio_bf16"] == pytest.approx(0.0, abs=1e-6)
+    profile = CPU.model_copy(update={"calibration": {**CPU.calibration, **out}})
+    cfg = reference_config("bf16", 2, tp=2).model_copy(update={"hardware_profile": profile})
+    assert _step_s(cfg) == pytest.approx(tp_s["bf16"], rel=1e-4)

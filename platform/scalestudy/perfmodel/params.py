@@ -174,9 +174,10 @@ def without_precision_ratios(calibration: dict) -> dict:
 
 
 def precision_ratio(hw: HardwareProfile, name: str, precision: str) -> float:
-    """What `name` is at `precision` relative to its profile-wide value (1 where not calibrated)."""
+    """What `name` is at `precision` relative to its profile-wide value (1 where not calibrated).
+    0 is a calibrated value: an overhead solved at 0 for one precision and not for the other."""
     value = hw.calibration.get(f"{name}_ratio_{precision}")
-    return float(value) if isinstance(value, (int, float)) and value > 0 else 1.0
+    return float(value) if isinstance(value, (int, float)) and value >= 0 else 1.0
 
 
 _BY_PROFILE: dict[int, tuple[HardwareProfile, ModelParams]] = {}
