@@ -198,7 +198,9 @@ class CollectiveStats(BaseModel):
     ``busbw_gbps`` = bus_bytes / time_s stays right when one kind runs in groups of different sizes
     (tp and dp all_reduces); NaN where the calls' groups are unknown."""
 
-    model_config = ConfigDict(extra="forbid")
+    # NaN as JSON's NaN, as TrialResult writes its own: a result crosses from the trial to the
+    # driver as JSON (sweep/trainable.py), and null would not read back as a float.
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
     count: float
     bytes: float
     time_s: float

@@ -127,3 +127,14 @@ def test_the_default_search_metric_is_a_metric():
     from scalestudy.spec.sections import Search
 
     assert M.search_metric(Search().metric) in M.SCALAR_METRICS
+
+
+def test_a_result_with_nan_collective_figures_crosses_json_and_back():
+    """A trial's result reaches the driver as JSON (sweep/trainable.py); a collective whose groups
+    are unknown has NaN bus figures, which must read back as NaN, not fail as null."""
+    cfg = expand(validate_spec(load_spec(QUICKSTART)))[0].config
+    result = predict(cfg)
+    result = result.model_copy(update={"comm": {"all_gather": M.CollectiveStats(
+        count=2.0, bytes=1e6, time_s=0.01)}})
+    back = TrialResult.model_validate_json(result.model_dump_json())
+    assert math.isnan(back.comm["all_gather"].bus_bytes) and back.comm["all_gather"].count == 2.0
