@@ -1,5 +1,6 @@
-"""`scalestudy plan` without `--dry-run`: the rounds of plan/rounds.py, measured by Ray Tune sweeps
-of the chosen layouts (warm worker groups, the ledger and MLflow as any sweep records them), and the
+"""`scalestudy plan` without `--dry-run`: the rounds of plan/rounds.py, measured in one Ray Tune
+experiment whose searcher suggests each round's layouts (sweep/plan_search.py: warm worker groups,
+the ledger and MLflow as any sweep records them), and the
 answer: the recommended layout with its measured figures, the runner-up families, predicted against
 measured for every measured layout, what the plan spent, and a plan.yaml that `scalestudy sweep`
 runs as a study."""
@@ -16,12 +17,11 @@ import yaml
 from scalestudy import metrics as M
 from scalestudy.cli_common import emit_json, fail, print_table, say
 from scalestudy.errors import SpecError
-from scalestudy.plan.rounds import PLAN_RECORD, Measured, PlanBudget, PlanOutcome, run_plan
+from scalestudy.plan.rounds import PLAN_RECORD, Batch, Measured, PlanBudget, PlanLoop, PlanOutcome
 from scalestudy.plan.space import (PLAN_COLUMNS, PlanRequest, families_line, rank, space_spec,
                                    table_rows)
 from scalestudy.plan.build import plan_spec
 from scalestudy.spec.catalog import HardwareProfile, profile_yaml
-from scalestudy.spec.trial import trial_key
 from scalestudy.track import storage
 
 # The config columns plan.yaml fixes: the space's axes and what its layouts share.
@@ -37,29 +37,35 @@ def _settings(req: PlanRequest, measure_steps: int, uri: str) -> dict[str, Any]:
             "tracking": {"experiment": f"plan-{req.model}", "mlflow_uri": uri}}
 
 
-def _measurer(req: PlanRequest, settings: dict[str, Any], results_root: str, show: bool):
-    from scalestudy.sweep.driver import run_sweep
+def _announce(batch: Batch, reused: int) -> None:
+    steps = f" for {batch.steps} timed steps" if batch.steps is not None else ""
+    again = f" ({reused} already in the ledger)" if reused else ""
+    say(f"round {batch.index}: measuring {len(batch.layouts)} layouts{steps}{again}: "
+        + ", ".join(e.config.run_name for e in batch.entries))
 
-    def measure(entries, index: int, steps: int | None = None):
-        window = dict(settings)
-        if steps is not None:  # a halving window: the same layouts, fewer timed steps
-            window["steps"] = {**settings["steps"], "measure": steps}
-        spec = space_spec(req, entries[0].hardware, **window)
-        if steps is not None:
-            keys = {trial_key(e.config) for e in entries}
-            entries = [e for e in plan_spec(spec) if trial_key(e.config) in keys]
-        text = yaml.safe_dump({"plan_round": index, "trials": [e.config.run_name for e in entries],
-                               "space": req.model_dump(mode="json")}, sort_keys=False)
-        say(f"round {index}: measuring {len(entries)} layouts"
-            + (f" for {steps} timed steps" if steps is not None else "") + ": "
-            + ", ".join(e.config.run_name for e in entries))
-        outcome = run_sweep(spec, entries, text, resume=True, results_root=results_root,
-                            show_progress=show)
-        if outcome.mlflow_error:
-            say(f"MLflow: {outcome.mlflow_error}")
-        return outcome.results
 
-    return measure
+def _measure(loop: PlanLoop, req: PlanRequest, profile: HardwareProfile,
+             settings: dict[str, Any], results_root: str, show: bool) -> int:
+    """Every round of `loop` in one Ray Tune experiment (sweep/plan_search.py's searcher) over the
+    space's study: its warm groups, one ledger and one MLflow parent run for the whole plan. Returns
+    how many results were taken from the ledger instead of run."""
+    from scalestudy.sweep.driver import DONE_STATUSES, run_sweep
+    from scalestudy.sweep.plan_search import PlanSearcher
+    from scalestudy.track.ledger import Ledger, ledger_path, row_to_result
+
+    spec = space_spec(req, profile, **settings)
+    done = {s.value for s in DONE_STATUSES}
+    known = {r["trial_id"]: row_to_result(r)
+             for r in Ledger(ledger_path(spec.name, results_root)).rows() if r.get("status") in done}
+    searcher = PlanSearcher(loop, spec, known, announce=_announce)
+    text = yaml.safe_dump({"plan": req.model_dump(mode="json"), "top_k": loop.top_k,
+                           "rounds": loop.rounds, "budget": loop.budget.model_dump(),
+                           "halving_steps": loop.halving_steps}, sort_keys=False)
+    outcome = run_sweep(spec, plan_spec(spec), text, resume=True, results_root=results_root,
+                        show_progress=show, search=searcher)
+    if outcome.mlflow_error:
+        say(f"MLflow: {outcome.mlflow_error}")
+    return len(searcher.reused)
 
 
 def measure_plan(req: PlanRequest, profile: HardwareProfile, hardware: str, *, top_k: int,
@@ -77,9 +83,13 @@ def measure_plan(req: PlanRequest, profile: HardwareProfile, hardware: str, *, t
         fail(e)
     if not any(r.feasible for r in first):
         fail(SpecError("--devices", req.devices, "no layout of the space can run here"))
-    outcome = run_plan(req, profile, _measurer(req, settings, results_root, not json_),
-                       top_k=top_k, rounds=rounds, budget=budget, halving_steps=halving_steps,
-                       **settings)
+    loop = PlanLoop(req, profile, top_k=top_k, rounds=rounds, budget=budget,
+                    halving_steps=halving_steps, **settings)
+    reused = _measure(loop, req, profile, settings, results_root, not json_)
+    outcome = loop.outcome
+    if reused and not json_:
+        say(f"{reused} of the layouts measured were in the study's ledger already: their "
+            "recorded results were used, not run again")
     rows = measured_rows(outcome)
     study = space_spec(req, profile, **settings).name
     plan_file = write_plan_yaml(outcome, req, hardware, settings, results_root, study)

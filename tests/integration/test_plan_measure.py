@@ -43,6 +43,7 @@ def test_plan_measures_refits_and_recommends_a_measured_layout(ray_session, tmp_
     rows = Ledger(ledger_path(study, root)).rows()
     assert len(rows) == spent and all(r["status"] == "completed" for r in rows), rows
     assert len({r["trial_id"] for r in rows}) == spent
+    assert len({r["sweep_id"] for r in rows}) == 1  # every round in one Tune experiment
 
     assert (root / study / "fitted-cpu-local.yaml").is_file()  # what the study's report predicts with
     record = plan_record(study, root)  # what the report's plan figure draws
@@ -59,3 +60,11 @@ def test_plan_measures_refits_and_recommends_a_measured_layout(ray_session, tmp_
     assert check.exit_code == 0, check.output
     planned = [json.loads(ln) for ln in check.output.splitlines()]
     assert len(planned) == 1 and planned[0]["verdict"]["runnable"]
+
+    # The same plan again on the same root: what the ledger holds is used, not run again.
+    again = CliRunner().invoke(app, [*ARGS, "--results-root", str(root), "--tracking-uri", uri],
+                               env={"COLUMNS": "200"})
+    assert again.exit_code == 0, again.output
+    assert f"{spent} of the layouts measured were in the study's ledger already" in again.output
+    assert len(Ledger(ledger_path(study, root)).rows()) == spent
+    assert re.search(r"recommended: (\S+)", again.output).group(1) == record["recommended"]

@@ -10,43 +10,12 @@ import pytest
 
 from scalestudy.errors import SpecError
 from scalestudy.metrics import Status
-from scalestudy.perfmodel.predict import predict
 from scalestudy.plan.rounds import PlanBudget, choose, run_plan
-from scalestudy.plan.space import PlanRequest, rank
+from scalestudy.plan.space import rank
 from scalestudy.spec import catalog
 from scalestudy.spec.trial import trial_key
 
-REQ = PlanRequest(model="llama2-tiny", hardware="cpu-local", devices=2, global_batch=8, seq_len=128)
-TENSOR_PENALTY = 3.0
-
-
-class Machine:
-    """Measures a layout as the model predicts it on a slower profile, tensor layouts 3x slower."""
-
-    def __init__(self):
-        hw = catalog.get_hardware("cpu-local")
-        cal = {**hw.calibration, "in_step_slowdown": 1.6, "step_overhead_s": 0.05}
-        self.hw = hw.model_copy(update={"calibration": cal})
-        self.calls: list[list[str]] = []
-        self.steps: list[int | None] = []
-
-    def __call__(self, entries, index, steps=None):
-        self.calls.append([e.config.run_name for e in entries])
-        self.steps.append(steps)
-        return self.measure(entries)
-
-    def measure(self, entries):
-        out = []
-        for e in entries:
-            r = predict(e.config.model_copy(update={"hardware_profile": self.hw}))
-            tps = r.tokens_per_s / (TENSOR_PENALTY if r.tp > 1 else 1.0)
-            out.append(r.model_copy(update={"tokens_per_s": tps, "wall_time_s": 90.0,
-                                            "backend": "measure"}))
-        return out
-
-    def truth(self, ranked):
-        return {r.entry.config.run_name: self.measure([r.entry])[0].tokens_per_s
-                for r in ranked if r.feasible}
+from tests.fixtures.plan_machine import REQ, Machine
 
 
 def test_a_round_takes_every_unmeasured_family_then_the_highest_bands():

@@ -178,66 +178,130 @@ def _converged(ranked: list[RankedLayout], measured: dict[tuple, Measured]) -> s
             f"{best:.4g}")
 
 
-def _measure_round(picked: list[RankedLayout], index: int, measure: MeasureFn, req: PlanRequest,
-                   halving_steps: int | None, outcome: PlanOutcome, left: int | None) -> None:
-    """Measure the round's layouts into `outcome`. With `halving_steps` and four layouts or more:
-    every layout for that many timed steps first, then the better half (by that window) for the
-    space's full window (successive halving on step count: poor layouts stop early)."""
-    price = price_of(req)
-    by_key = {key_of(r): r for r in picked}
+@dataclass
+class Batch:
+    """What to measure next: the round's layouts, for `steps` timed steps (None: the space's)."""
 
-    def run(layouts: list[RankedLayout], steps: int | None, window: str) -> list[Measured]:
+    index: int
+    layouts: list[RankedLayout]
+    steps: int | None = None
+    window: str = "full"
+
+    @property
+    def entries(self) -> list[PlanEntry]:
+        return [r.entry for r in self.layouts]
+
+
+class PlanLoop:
+    """The rounds as a state machine that whoever measures drives: `next_batch` says what to
+    measure (None: the plan is over, `outcome.stop_reason` says why), `complete` takes that
+    batch's results. `run_plan` drives it with a function; sweep/plan_search.py with a Ray Tune
+    searcher, so that every round runs inside one Tune experiment on the same warm groups.
+
+    A round measures its layouts for the space's window; with `halving_steps` and four layouts or
+    more, every layout for that many timed steps first, then the better half (by that window) for
+    the full one (successive halving on step count: poor layouts stop early)."""
+
+    def __init__(self, req: PlanRequest, profile: HardwareProfile, *, top_k: int, rounds: int,
+                 budget: PlanBudget, halving_steps: int | None = None, **settings) -> None:
+        self.req, self.base, self.settings = req, profile, settings
+        self.top_k, self.rounds, self.budget, self.halving_steps = top_k, rounds, budget, halving_steps
+        self.outcome = PlanOutcome(rank(req, profile, **settings), {}, [],
+                                   f"rounds spent ({rounds})", profile)
+        self.finished = False
+        self._index = 0
+        self._picked: list[RankedLayout] = []
+        self._promoted: list[RankedLayout] = []
+        self._left: int | None = None
+        self._pending: Batch | None = None
+
+    def next_batch(self) -> Batch | None:
+        """The next layouts to measure; None once the plan is over."""
+        if self._pending is not None:
+            raise RuntimeError(f"round {self._pending.index}'s batch has no results yet")
+        if self._promoted:
+            self._pending = Batch(self._index, self._promoted)
+            self._promoted = []
+        elif not self.finished:
+            self._pending = self._start_round()
+        return self._pending
+
+    def _start_round(self) -> Batch | None:
+        out = self.outcome
+        left = _budget_left(self.budget, out.runs)
+        if self._index >= self.rounds:
+            if left == 0:
+                out.stop_reason = "budget spent"
+            return self._finish()
+        picked = choose(out.ranked, out.measured, self.top_k)
+        if left is not None:
+            picked = picked[:left]
+        if not picked:
+            out.stop_reason = "budget spent" if left == 0 else "every admissible layout was measured"
+            return self._finish()
+        self._index += 1
+        self._picked, self._left = picked, left
+        if self.halving_steps is None or len(picked) < 4:
+            return Batch(self._index, picked)
+        return Batch(self._index, picked, self.halving_steps, "short")
+
+    def _finish(self) -> None:
+        self.finished = True
+        return None
+
+    def complete(self, results: list[TrialResult]) -> None:
+        """The pending batch's results (any order, matched by design point); ends its round
+        (refit, re-rank, convergence) unless a halving window's better half runs next."""
+        batch, self._pending = self._pending, None
+        if batch is None:
+            raise RuntimeError("no batch is being measured")
+        got = self._record(batch, results)
+        if batch.window == "short":
+            keep = (len(batch.layouts) + 1) // 2
+            if self._left is not None:  # the trials the budget allowed when the round began
+                keep = min(keep, max(0, self._left - len(batch.layouts)))
+            best = sorted((m for m in got if m.completed), key=lambda m: -m.score)[:keep]
+            self._promoted = [m.chosen_as for m in best]
+            if self._promoted:
+                return
+        self._end_round()
+
+    def _record(self, batch: Batch, results: list[TrialResult]) -> list[Measured]:
+        price, out = price_of(self.req), self.outcome
+        by_key = {key_of(r): r for r in batch.layouts}
         got = []
-        for res in measure([r.entry for r in layouts], index, steps):
-            outcome.runs.append(res)
+        for res in results:
+            out.runs.append(res)
             chosen = by_key.get(trial_key(res))
             if chosen is not None:
-                m = Measured(chosen, res, score_of(res, req, price), index, window)
-                outcome.measured[trial_key(res)] = m
+                m = Measured(chosen, res, score_of(res, self.req, price), batch.index, batch.window)
+                out.measured[trial_key(res)] = m
                 got.append(m)
         return got
 
-    if halving_steps is None or len(picked) < 4:
-        run(picked, None, "full")
-        return
-    short = run(picked, halving_steps, "short")
-    keep = (len(picked) + 1) // 2
-    if left is not None:
-        keep = min(keep, max(0, left - len(picked)))
-    promoted = sorted((m for m in short if m.completed), key=lambda m: -m.score)[:keep]
-    if promoted:
-        run([m.chosen_as for m in promoted], None, "full")
+    def _end_round(self) -> None:
+        out = self.outcome
+        rnd = PlanRound(self._index, [r.entry.config.run_name for r in self._picked])
+        out.rounds.append(rnd)
+        model = _refit(self.base, out.measured, rnd)
+        if model is not None:
+            out.profile = model.profile
+            out.ranked = corrected(rank(self.req, out.profile, model.errors, **self.settings),
+                                   model.factors, model.errors)
+        reason = _converged(out.ranked, out.measured)
+        if reason:
+            out.stop_reason = reason
+            self.finished = True
 
 
 def run_plan(req: PlanRequest, profile: HardwareProfile, measure: MeasureFn, *, top_k: int,
              rounds: int, budget: PlanBudget, halving_steps: int | None = None,
              **settings) -> PlanOutcome:
     """Rounds of choose -> measure -> refit -> re-rank (settings: spec fields for the space, as
-    space_spec takes them). Stops when converged, when the budget or the rounds are spent, or when
-    every admissible layout was measured."""
-    base = profile
-    out = PlanOutcome(rank(req, base, **settings), {}, [], f"rounds spent ({rounds})", profile)
-    for index in range(1, rounds + 1):
-        left = _budget_left(budget, out.runs)
-        picked = choose(out.ranked, out.measured, top_k)
-        if left is not None:
-            picked = picked[:left]
-        if not picked:
-            out.stop_reason = "budget spent" if left == 0 else "every admissible layout was measured"
-            break
-        _measure_round(picked, index, measure, req, halving_steps, out, left)
-        rnd = PlanRound(index, [r.entry.config.run_name for r in picked])
-        out.rounds.append(rnd)
-        model = _refit(base, out.measured, rnd)
-        if model is not None:
-            out.profile = model.profile
-            out.ranked = corrected(rank(req, out.profile, model.errors, **settings),
-                                   model.factors, model.errors)
-        reason = _converged(out.ranked, out.measured)
-        if reason:
-            out.stop_reason = reason
-            break
-    else:
-        if _budget_left(budget, out.runs) == 0:
-            out.stop_reason = "budget spent"
-    return out
+    space_spec takes them), each batch measured by `measure`. Stops when converged, when the
+    budget or the rounds are spent, or when every admissible layout was measured."""
+    loop = PlanLoop(req, profile, top_k=top_k, rounds=rounds, budget=budget,
+                    halving_steps=halving_steps, **settings)
+    while (batch := loop.next_batch()) is not None:
+        loop.complete(measure(batch.entries, batch.index, batch.steps))
+    return loop.outcome

@@ -11,6 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scalestudy.metrics import Status, TrialResult
 from scalestudy.plan import PlanEntry
@@ -22,6 +23,9 @@ from scalestudy.sweep.progress import SweepProgress
 from scalestudy.sweep.simulate import simulate_sweep
 from scalestudy.track.ledger import Ledger, ledger_path, result_to_row
 from scalestudy.track.mlflow_writer import MlflowWriter, tracking_uri
+
+if TYPE_CHECKING:
+    from ray.tune.search import Searcher
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +150,11 @@ def run_sweep(
     results_root: str | Path = "results",
     show_progress: bool = True,
     verbose: bool = False,
+    search: Searcher | None = None,
 ) -> SweepOutcome:
+    """Run `planned` (the spec's plan) and record every result. Given `search` (a plan's searcher,
+    sweep/plan_search.py), Tune runs what it suggests out of the feasible entries instead, as many
+    as it asks for; nothing is recorded for the entries it never suggests."""
     t0 = time.time()
     ledger = Ledger(ledger_path(spec.name, results_root))
     finished = {s.value for s in DONE_STATUSES}
@@ -168,6 +176,7 @@ def run_sweep(
     # A search draws num_samples points, by default one per runnable point (Tune's and simulate's)
     total = len(todo) if grid else spec.search.num_samples or sum(p.feasible for p in todo) or 1
     total = ensemble.total if ensemble is not None else total
+    total = None if search is not None else total  # the searcher decides how many
     rec = Recorder(spec, ledger, writer, sweep_id, parent, None,
                    batch=spec.backend is Backend.simulate)
     try:
@@ -178,16 +187,16 @@ def run_sweep(
                 ensemble.run(rec, progress, os.environ.get(FAULT_ENV), verbose)
             else:
                 for p in todo:
-                    if not p.feasible and spec.search.algorithm is SearchAlgorithm.grid:
+                    if not p.feasible and grid and search is None:
                         rec.record(TrialResult.refused(p))
                 runnable = [p for p in todo if p.feasible]
                 if spec.backend is Backend.simulate:
                     simulate_sweep(spec, planned, done, rec.record, progress)
-                elif runnable or spec.search.algorithm is not SearchAlgorithm.grid:
+                elif runnable or not grid or search is not None:  # a searcher may answer from the ledger
                     from scalestudy.sweep.tune_runner import run_tune
 
                     run_tune(spec, runnable, rec, progress, done, results_root,
-                             max_concurrent, os.environ.get(FAULT_ENV), verbose)
+                             max_concurrent, os.environ.get(FAULT_ENV), verbose, search)
     finally:
         try:
             outcome.mlflow_error = rec.close()

@@ -13,7 +13,7 @@ from scalestudy.metrics import TrialResult
 
 
 class SweepProgress:
-    def __init__(self, total: int, console: Console | None = None, enabled: bool = True):
+    def __init__(self, total: int | None, console: Console | None = None, enabled: bool = True):
         self._progress = Progress(
             TextColumn("[bold]{task.fields[study]}"),
             BarColumn(),

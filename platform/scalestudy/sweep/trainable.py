@@ -13,6 +13,21 @@ from typing import Any
 
 RESULT_KEY = "trial_result_json"
 BACKSTOP_S = 120.0  # beyond both limits: time for run_trial to abort the trial and return
+# A Tune config's timed steps for this trial alone (a plan's halving window, sweep/plan_search.py):
+# the study's `steps` are spec-wide, a searcher's window is per trial.
+WINDOW_KEY = "measure_steps"
+
+
+def trial_point(spec, config: dict[str, Any]):
+    """The spec a Tune trial runs under and its typed grid point: the sampled axes (a grid's
+    `point`, or one key per axis) resolved against the spec, with a searcher's window applied."""
+    from scalestudy.spec.study import AXES, resolve_point
+
+    if config.get(WINDOW_KEY):
+        steps = spec.steps.model_copy(update={"measure": int(config[WINDOW_KEY])})
+        spec = spec.model_copy(update={"steps": steps})
+    axes = config.get("point") or {a: config[a] for a in AXES}
+    return spec, resolve_point(spec, axes)
 
 
 def trial_trainable(
@@ -24,14 +39,12 @@ def trial_trainable(
 
     from scalestudy.metrics import Status, TrialResult, search_metric
     from scalestudy.plan import plan_point
-    from scalestudy.spec.study import AXES, resolve_point
     from scalestudy.track.storage import ray_storage
     from scalestudy.launch.ray_train import run_trial, unplaceable
     from scalestudy.launch.warm import warm_run
 
     t0 = time.time()
-    axes = config.get("point") or {a: config[a] for a in AXES}
-    planned = plan_point(spec, resolve_point(spec, axes))
+    planned = plan_point(*trial_point(spec, config))
     cfg = planned.config
     if cfg.trial_id in skip_ids:  # resume of a random/optuna sweep: already in the ledger
         tune.report({"skipped": 1})

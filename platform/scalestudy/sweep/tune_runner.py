@@ -7,14 +7,15 @@ from pathlib import Path
 
 from ray import tune
 from ray.tune import Callback
+from ray.tune.search import Searcher
 
 from scalestudy.metrics import Status, TrialResult, search_metric
 from scalestudy.spec.sections import SearchAlgorithm
-from scalestudy.spec.study import AXES, PlannedTrial, StudySpec, build_trial, resolve_point
+from scalestudy.spec.study import PlannedTrial, StudySpec, build_trial
 from scalestudy.sweep.concurrency import (ClusterLimit, FixedLimit, Limit, LiveConcurrencyLimiter,
                                           LiveVariantGenerator, concurrency_limit, device_resource)
 from scalestudy.sweep.progress import SweepProgress
-from scalestudy.sweep.trainable import RESULT_KEY, trial_trainable
+from scalestudy.sweep.trainable import RESULT_KEY, trial_point, trial_trainable
 from scalestudy.track import storage
 from scalestudy.train.result import failure_reason
 
@@ -70,7 +71,9 @@ def _searcher(spec: StudySpec, limit: Limit):
 
 
 def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, results_root: str | Path,
-             max_concurrent, fault, verbose) -> None:
+             max_concurrent, fault, verbose, search: Searcher | None = None) -> None:
+    """`runnable` under the spec's search; or, given `search` (a plan's, sweep/plan_search.py),
+    whatever that searcher suggests out of the spec's space, until it says it has finished."""
     from scalestudy.launch.ray_train import ensure_ray, fixed_local_resources
     from scalestudy.launch.warm import pool_name, reusable, warm_pool
 
@@ -86,7 +89,8 @@ def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, result
         ),
         TRAINABLE_RESOURCES,
     )
-    grid = spec.search.algorithm is SearchAlgorithm.grid
+    grid = spec.search.algorithm is SearchAlgorithm.grid or search is not None
+    limit = sweep_limit(spec, runnable, max_concurrent, can_grow=available is None)
     # A reused trainable actor keeps its imports (the trial's config needs torch for `precision:
     # auto`) and skips Tune's actor start: ~2.4 s per trial on 2 cores. Only where every trial
     # is warm: a warm trial past its limit has its group killed (WarmRun.abandon), which ends its
@@ -94,11 +98,14 @@ def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, result
     reuse_trainables = spec.workers.reuse and all(reusable(p.config) for p in runnable)
     tuner = tune.Tuner(
         trainable,
-        param_space=_param_space(spec, runnable),
+        param_space={} if search is not None else _param_space(spec, runnable),
         tune_config=tune.TuneConfig(
-            num_samples=1 if grid else (spec.search.num_samples or len(runnable) or 1),
-            search_alg=_searcher(spec, sweep_limit(spec, runnable, max_concurrent,
-                                                   can_grow=available is None)),
+            # A plan's searcher ends the experiment itself (Searcher.FINISHED); it measures a
+            # layout at most twice (a halving window, then the full one): the bound Tune shows.
+            num_samples=max(1, 2 * len(runnable)) if search is not None else (
+                1 if grid else (spec.search.num_samples or len(runnable) or 1)),
+            search_alg=(LiveConcurrencyLimiter(search, limit) if search is not None
+                        else _searcher(spec, limit)),
             metric=None if grid else search_metric(spec.search.metric),
             mode=None if grid else spec.search.mode,
             reuse_actors=reuse_trainables,
@@ -127,8 +134,7 @@ class _RecordCallback(Callback):
         return {"spec": self.spec, "recorder": None, "progress": None}
 
     def _config(self, trial):
-        axes = trial.config.get("point") or {a: trial.config[a] for a in AXES}
-        return build_trial(self.spec, resolve_point(self.spec, axes)).config
+        return build_trial(*trial_point(self.spec, trial.config)).config
 
     def on_trial_start(self, iteration, trials, trial, **info):
         self.progress.running(self._config(trial).run_name)
