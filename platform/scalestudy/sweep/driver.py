@@ -192,7 +192,8 @@ def run_sweep(
                 runnable = [p for p in todo if p.feasible]
                 if spec.backend is Backend.simulate:
                     simulate_sweep(spec, planned, done, rec.record, progress)
-                elif runnable or not grid or search is not None:  # a searcher may answer from the ledger
+                # (a plan's searcher runs even with nothing left to run: it answers from the ledger)
+                elif runnable or not grid or search is not None:
                     from scalestudy.sweep.tune_runner import run_tune
 
                     run_tune(spec, runnable, rec, progress, done, results_root,
