@@ -64,6 +64,8 @@ from dataclasses import dataclass, fields
 from scalestudy.errors import InfeasibleTrial, ReasonClass
 from scalestudy.parallel.deepspeed_config import REDUCE_BUCKET_ELEMENTS
 from scalestudy.perfmodel import zero3
+from scalestudy.perfmodel.layouts import autotp
+from scalestudy.perfmodel.params import params_for
 from scalestudy.spec.catalog import ModelDims, Precision
 from scalestudy.spec.study import TrialConfig
 
@@ -151,10 +153,12 @@ def params_per_device(dims: ModelDims, tp: int, pp: int) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def weights_per_device(dims: ModelDims, tp: int, pp: int) -> float:
-    """What a tp rank of the largest stage stores: AutoTP leaves the embedding whole on every rank."""
-    if tp == 1:
-        return params_per_device(dims, 1, pp)
+def weights_per_device(dims: ModelDims, tp: int, pp: int, autotp: bool = True) -> float:
+    """What a tp rank of the largest stage stores. DeepSpeed AutoTP leaves the embedding whole on
+    every rank (layouts.lm_head_split); Megatron splits it over the vocabulary like every other
+    matrix (VocabParallelEmbedding), which is params_per_device."""
+    if tp == 1 or not autotp:
+        return params_per_device(dims, tp, pp)
     emb = dims.embedding_params()
     if pp == 1:
         return (dims.num_params() - emb) / tp + emb
@@ -169,11 +173,17 @@ def _persistent_params(dims: ModelDims, tp: int) -> float:
     return dims.num_layers * max(per_block, 0.0) + dims.hidden_size
 
 
+def _weights(cfg: TrialConfig) -> float:
+    """weights_per_device of the trial, split as its tensor parallelism splits them."""
+    autotp_split = cfg.tp > 1 and autotp(cfg, params_for(cfg.hardware_profile))
+    return weights_per_device(cfg.model_dims, cfg.tp, cfg.pp, autotp_split)
+
+
 def model_states_bytes(cfg: TrialConfig) -> tuple[float, float, float]:
     """(weights, gradients, optimizer states) per device in bytes, the ZeRO paper's accounting
     (16-bit gradients kept whole below ZeRO-2, sharded from it on): the part of the estimate that
     DeepSpeed's own estimators cover (tests/unit/test_memory_deepspeed_estimator.py)."""
-    n = weights_per_device(cfg.model_dims, cfg.tp, cfg.pp)
+    n = _weights(cfg)
     w, g, o = state_bytes_per_param(cfg.precision)
     if cfg.zero_stage >= 1 and cfg.precision is Precision.fp32:
         o = 12  # ZeRO clones an fp32 master even when the weights are fp32
@@ -254,7 +264,7 @@ def _zero3_gathered(cfg: TrialConfig) -> float:
     head = dims.lm_head_params() / tp
     layers = dims.num_layers // cfg.pp
     kept = zero3.retained_blocks(block, head, layers)
-    everything = weights_per_device(dims, tp, cfg.pp) - _persistent_params(dims, tp)
+    everything = _weights(cfg) - _persistent_params(dims, tp)
     return min(everything, max(kept, 1) * block + head + zero3.PREFETCH_BUCKET)
 
 
@@ -313,7 +323,7 @@ def _communicators(cfg: TrialConfig) -> int:
 
 def memory_breakdown(cfg: TrialConfig, fused_attention: bool = True) -> MemoryBreakdown:
     """Per-device memory of one trial at the step's peak (see the module doc for every term)."""
-    n = weights_per_device(cfg.model_dims, cfg.tp, cfg.pp)
+    n = _weights(cfg)
     resident, phases = _phases(cfg, activation_bytes(cfg, fused_attention), n)
     peak = max(phases, key=lambda p: p.total)
     terms = dict.fromkeys(TERMS, 0.0)
