@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from typing import Any
 
@@ -57,14 +58,15 @@ def _measure(loop: PlanLoop, req: PlanRequest, profile: HardwareProfile,
     done = {s.value for s in DONE_STATUSES}
     known = {r["trial_id"]: row_to_result(r)
              for r in Ledger(ledger_path(spec.name, results_root)).rows() if r.get("status") in done}
-    searcher = PlanSearcher(loop, spec, known, announce=_announce)
+    # --json keeps stdout for the rows: the rounds are announced only to a reader
+    searcher = PlanSearcher(loop, spec, known, announce=_announce if show else None)
     text = yaml.safe_dump({"plan": req.model_dump(mode="json"), "top_k": loop.top_k,
                            "rounds": loop.rounds, "budget": loop.budget.model_dump(),
                            "halving_steps": loop.halving_steps}, sort_keys=False)
     outcome = run_sweep(spec, plan_spec(spec), text, resume=True, results_root=results_root,
                         show_progress=show, search=searcher)
     if outcome.mlflow_error:
-        say(f"MLflow: {outcome.mlflow_error}")
+        print(f"MLflow: {outcome.mlflow_error}", file=sys.stdout if show else sys.stderr)
     return len(searcher.reused)
 
 

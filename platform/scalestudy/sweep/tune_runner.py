@@ -3,6 +3,8 @@ that records each trial the moment Tune reports it."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 
 from ray import tune
@@ -117,8 +119,10 @@ def run_tune(spec, runnable, recorder, progress: SweepProgress, skip_ids, result
             callbacks=[_RecordCallback(spec, recorder, progress)],
         ),
     )
-    with warm_pool(spec.workers.reuse, recorder.sweep_id):  # warm groups live as long as the sweep
-        tuner.fit()
+    # Tune prints its experiment banner to stdout whatever its verbosity; stdout carries a
+    # command's results (`--json` rows), so Tune's own output goes to stderr.
+    with warm_pool(spec.workers.reuse, recorder.sweep_id), contextlib.redirect_stdout(sys.stderr):
+        tuner.fit()  # warm groups live as long as the sweep
 
 
 class _RecordCallback(Callback):
