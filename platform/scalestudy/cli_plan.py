@@ -35,8 +35,10 @@ def plan(
     usd_per_device_hour: Annotated[Optional[float], typer.Option(
         "--usd-per-device-hour", help="price of one device-hour (default: the catalogue's)")] = None,
     space: Annotated[str, typer.Option(
-        "--space", help="free axes, comma-separated: zero, tp, pp, micro_batch, recompute")
-    ] = "zero,tp,pp,micro_batch,recompute",
+        "--space", help="free axes, comma-separated: zero, tp, pp, micro_batch, recompute; and "
+        "the layout options cp, sp (sequence parallelism), gather (ZeRO-3 per module or per "
+        "block), selective (selective recomputation)")
+    ] = "zero,tp,pp,micro_batch,recompute",  # plan/space.py's DEFAULT_SPACE (not imported: startup)
     top_k: Annotated[Optional[int], typer.Option(
         "--top-k", min=1, help="layouts measured per round (default 3); with --dry-run, layouts "
         "shown (default 10)")] = None,

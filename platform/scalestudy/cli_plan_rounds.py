@@ -27,7 +27,8 @@ from scalestudy.track import storage
 
 # The config columns plan.yaml fixes: the space's axes and what its layouts share.
 SPEC_AXES = ("seq_len", "precision", "world_size", "global_batch", "zero_stage", "tp", "pp",
-             "micro_batch", "activation_checkpointing")
+             "micro_batch", "activation_checkpointing", "sequence_parallel", "cp",
+             "gather_granularity")
 MEASURED_COLUMNS = ["round", "window", "trial", "family", "zero_stage", "tp", "pp", "micro_batch",
                     "activation_checkpointing", "predicted", "predicted_now", "measured",
                     "error_now", M.PEAK_MEMORY_GIB, "status"]
@@ -189,6 +190,8 @@ def write_plan_yaml(outcome: PlanOutcome, req: PlanRequest, hardware: str,
     if best is None:
         return "(none: no measured layout completed)"
     c = best.chosen_as.entry.config.config_fields()  # flat, scalar, enums as their values
+    if c["recompute_granularity"] == "selective":  # the spec's word for it
+        c["activation_checkpointing"] = "selective"
     spec = {"name": f"{study}-best", "model": req.model, "hardware": hardware,
             "backend": "measure", **{k: c[k] for k in SPEC_AXES},
             "steps": settings["steps"], "tracking": {"experiment": settings["tracking"]["experiment"]}}

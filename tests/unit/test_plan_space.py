@@ -66,3 +66,40 @@ def test_usd_objective_uses_the_catalogue_price_or_asks_for_one():
     assert best.score < 0  # USD per token, negated so larger is better
     per_token = 12.29 * 8 / 3600 / best.result.tokens_per_s
     assert -best.score == per_token
+
+
+def test_layout_options_free_by_name_and_impossible_ones_refused_per_layout(tmp_path):
+    """--space cp,sp,gather,selective: the spec's layout options become axes of the space; what
+    cannot be (sp without tp, block gathers below ZeRO-3) is refused per layout with its reason,
+    and a plan.yaml of a layout with options names them so a sweep runs that layout."""
+    from scalestudy.cli_plan_rounds import write_plan_yaml
+    from scalestudy.plan import plan_study
+    from scalestudy.plan.rounds import Measured, PlanOutcome
+    from scalestudy.spec.load import load_spec
+    from scalestudy.spec.trial import RecomputeGranularity, trial_key
+
+    base = dict(model="llama2-7b", hardware="h100-80gb", devices=64, global_batch=256,
+                space=("zero", "tp"))
+    plain = rank(PlanRequest(**base))
+    req = PlanRequest(**{**base, "space": ("zero", "tp", "cp", "sp", "gather", "selective")})
+    ranked = rank(req)
+    assert len(ranked) == len(plain) * 4 * 2 * 2 * 3  # cp 1-8, sp, gather, recompute x3
+    fit = [r.entry.config for r in ranked if r.feasible]
+    assert all(c.tp > 1 for c in fit if c.sequence_parallel)
+    assert all(c.zero_stage == 3 for c in fit if c.gather_granularity.value == "block")
+    assert {c.cp for c in fit} == {1, 2, 4, 8}
+    assert any(c.recompute_granularity is RecomputeGranularity.selective for c in fit)
+    reasons = {r.result.reason for r in ranked if not r.feasible}
+    assert any("needs tp > 1" in (x or "") for x in reasons)
+    assert len({r.entry.config.run_name for r in ranked}) == len(ranked)
+
+    best = next(r for r in ranked if r.feasible and r.entry.config.cp > 1
+                and r.entry.config.sequence_parallel
+                and r.entry.config.recompute_granularity is RecomputeGranularity.selective)
+    out = PlanOutcome(ranked, {trial_key(best.entry.config): Measured(best, best.result, best.score, 1)},
+                      [], "test", best.entry.hardware)
+    settings = {"steps": {"warmup": 2, "measure": 3, "profile": 0},
+                "tracking": {"experiment": "plan-x"}}
+    path = write_plan_yaml(out, req, "h100-80gb", settings, str(tmp_path), "plan-x")
+    (planned,) = plan_study(load_spec(path, ["backend=simulate"]))
+    assert trial_key(planned.config) == trial_key(best.entry.config)

@@ -30,8 +30,12 @@ from scalestudy.spec.study import StudySpec
 PLAN_COLUMNS = ["rank", "trial", "family", "dp", "tp", "pp", "zero_stage", "micro_batch",
                 "grad_accum", "activation_checkpointing", "score", "low", "high", M.MFU,
                 M.PEAK_MEMORY_GIB]
-# Axes `--space` may free; the others stay at their single value.
-FREE_AXES = ("zero", "tp", "pp", "micro_batch", "recompute")
+# Axes `--space` may free; the others stay at their single value. The default space frees the
+# first five; the layout options of issue 35 are asked for by name: cp (context-parallel degree),
+# sp (Megatron sequence parallelism, with tp > 1), gather (ZeRO-3's gathers per module or per
+# block), selective (selective recomputation beside none and full; with recompute).
+DEFAULT_SPACE = ("zero", "tp", "pp", "micro_batch", "recompute")
+FREE_AXES = (*DEFAULT_SPACE, "cp", "sp", "gather", "selective")
 MAX_LAYOUTS = 100_000
 
 
@@ -53,7 +57,7 @@ class PlanRequest(BaseModel):
     precision: str = "auto"
     mem_cap_gib: float | None = Field(default=None, gt=0)
     objective: Objective = Objective.tokens_per_s
-    space: tuple[str, ...] = FREE_AXES
+    space: tuple[str, ...] = DEFAULT_SPACE
     usd_per_device_hour: float | None = Field(default=None, gt=0)
 
 
@@ -94,10 +98,34 @@ def space_spec(req: PlanRequest, profile: HardwareProfile | None = None,
         "pp": [p for p in _powers(min(dims.num_layers, n)) if dims.num_layers % p == 0]
         if "pp" in free else [1],
         "micro_batch": [b for b in _powers(min(gb, 32))] if "micro_batch" in free else [1],
-        "activation_checkpointing": [False, True] if "recompute" in free else [False],
+        "activation_checkpointing": _recompute(free),
+        **_layout_options(free, n, per_node),
         "tracking": {"experiment": f"plan-{req.model}"},
     }
     return validate_spec({**data, **settings})
+
+
+def _recompute(free: set[str]) -> list:
+    values: list = [False]
+    if "selective" in free:
+        values.append("selective")
+    if "recompute" in free or "selective" in free:
+        values.append(True)
+    return values
+
+
+def _layout_options(free: set[str], n: int, per_node: int) -> dict[str, list]:
+    """The spec's layout options the space frees. A combination that cannot be (sequence
+    parallelism without tp, block gathers below ZeRO-3, a cp that does not divide what tp x pp
+    leaves) is refused per layout by the planner, with its reason, as a sweep would refuse it."""
+    out: dict[str, list] = {}
+    if "cp" in free:  # inside a node, where ring attention's p2p runs over NVLink
+        out["cp"] = [c for c in _powers(min(per_node, n)) if n % c == 0]
+    if "sp" in free:
+        out["sequence_parallel"] = [False, True]
+    if "gather" in free:
+        out["gather_granularity"] = ["module", "block"]
+    return out
 
 
 def _ceil_pow2(n: int) -> int:
