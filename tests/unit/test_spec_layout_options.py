@@ -95,3 +95,12 @@ def test_names_show_swept_options_and_selective_recomputation():
     assert set(name_axes_of(cfgs)) == {"activation_checkpointing", "sequence_parallel"}
     assert trial_name(cfgs[0].config_fields(), name_axes_of(cfgs)) == names[0]
     assert isinstance(cfgs[0], TrialConfig)
+
+
+def test_the_measure_backend_runs_selective_recomputation_and_refuses_the_other_options():
+    base = {"backend": "measure", "world_size": 8, "global_batch": 8, "zero_stage": 1, "tp": 1}
+    reason, _ = _refusal(**base, activation_checkpointing="selective")
+    assert reason is None
+    reason, cls = _refusal(**{**base, "global_batch": 4}, activation_checkpointing="selective",
+                           cp=2)
+    assert "cp" in reason and "recompute_granularity" not in reason and cls is ReasonClass.backend

@@ -94,9 +94,15 @@ def check_elastic(el: Elastic, layout: Layout) -> None:
 FP8_PEAK_KEY = "fp8_dense_tflops"
 
 
+# Layout options the measure backend's trial body runs (train/model_factory.py: selective
+# recomputation of the attention core); the others it would run as the default layout, so a
+# measured trial that asks for them is refused rather than measured under their name.
+MEASURED_OPTIONS = frozenset({"recompute_granularity"})
+
+
 def check_layout_options(cfg: TrialConfig, measured: bool) -> None:
     """What sequence/context parallelism, gather granularity, TP overlap and FP8 need; measured,
-    the trial body runs none of them yet (it would measure the default layout under their name)."""
+    the trial body runs selective recomputation and none of the others yet."""
     def refuse(why: str, cls: ReasonClass = ReasonClass.layout) -> None:
         raise InfeasibleTrial(why, cls)
 
@@ -121,7 +127,8 @@ def check_layout_options(cfg: TrialConfig, measured: bool) -> None:
                f"{cfg.precision.value}", ReasonClass.precision)
     if not measured:
         return
-    chosen = [k for k, v in LAYOUT_DEFAULTS.items() if getattr(cfg, k) != v]
+    chosen = [k for k, v in LAYOUT_DEFAULTS.items()
+              if getattr(cfg, k) != v and k not in MEASURED_OPTIONS]
     if chosen:
         refuse(f"{', '.join(chosen)}: the measure backend's trial body runs the default layout "
                "only (use backend simulate)", ReasonClass.backend)

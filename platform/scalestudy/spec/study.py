@@ -62,7 +62,8 @@ class StudySpec(BaseModel):
     activation_checkpointing: list[bool | Literal["selective"]] = Field([False], description=(
         "Recompute activations in backward: `none` (false), `full` (true: every block's forward "
         "again; less memory, more compute, which HFU counts and MFU does not) or `selective` (the "
-        "attention core only, Korthikanti et al. 2022)."))
+        "attention core only, Korthikanti et al. 2022; measured trials run their SDPA core under "
+        "torch's checkpoint)."))
     # Issue 35's layout options (spec/trial.py LAYOUT_DEFAULTS; check_layout_options says what may
     # combine; perfmodel/layouts.py prices them).
     sequence_parallel: list[bool] = Field([False], description=(

@@ -34,7 +34,7 @@ from torch import nn
 
 from scalestudy.spec.catalog import ModelDims
 from scalestudy.train.host_memory import freed_tensors_returned
-from scalestudy.train.model_factory import hf_config
+from scalestudy.train.model_factory import apply_recomputation, hf_config, selective_recompute
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -176,8 +176,7 @@ def build_trial_model(cfg: Any, ds_config: dict[str, Any], device: torch.device)
         else:
             materialise(model, device, training_dtype(cfg.precision))
             init_weights(model, cfg.seed, std, zero3)
-    if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_recomputation(model, cfg.activation_checkpointing, selective_recompute(cfg))
     model.train()
     return model
 

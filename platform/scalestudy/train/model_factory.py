@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from scalestudy.spec.catalog import ModelDims
+from scalestudy.spec.trial import RecomputeGranularity
 
 
 def hf_config(dims: ModelDims):
@@ -55,7 +58,56 @@ def build_model(dims: ModelDims, seed: int, activation_checkpointing: bool = Fal
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(dims))
-    if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_recomputation(model, activation_checkpointing, selective=False)
     model.train()
     return model
+
+
+# Selective recomputation (Korthikanti et al. 2022, Megatron's --recompute-granularity selective):
+# only the attention core (softmax(QK^T/sqrt(d))V, what the model's SDPA call computes) is run
+# again in the backward; the projections, norms and MLP keep their activations. Hugging Face
+# models call their attention core through transformers' AttentionInterface, so the core is
+# wrapped there, under a name of its own, in torch's non-reentrant checkpoint.
+SELECTIVE_ATTENTION = "scalestudy_selective_sdpa"
+
+
+def _register_selective_attention() -> None:
+    from torch.utils.checkpoint import checkpoint
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if SELECTIVE_ATTENTION in AttentionInterface._global_mapping:
+        return
+
+    def recomputed(module, query, key, value, attention_mask, **kwargs):
+        sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]  # looked up per call, as the model itself would
+
+        def core(q, k, v, mask):
+            return sdpa(module, q, k, v, mask, **kwargs)
+
+        return checkpoint(core, query, key, value, attention_mask, use_reentrant=False)
+
+    AttentionInterface.register(SELECTIVE_ATTENTION, recomputed)
+    AttentionMaskInterface.register(SELECTIVE_ATTENTION, sdpa_mask)  # the masks SDPA takes
+
+
+def selective_recompute(cfg: Any) -> bool:
+    """Whether a trial (TrialConfig) recomputes the attention core only."""
+    return cfg.recompute_granularity is RecomputeGranularity.selective
+
+
+def apply_recomputation(model: torch.nn.Module, activation_checkpointing: bool,
+                        selective: bool) -> None:
+    """Full recomputation (every block's forward run again in the backward: Hugging Face's
+    gradient checkpointing), selective (the attention core only), or none."""
+    if not activation_checkpointing:
+        return
+    if not selective:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    if model.config._attn_implementation != "sdpa":
+        raise ValueError("selective recomputation wraps the SDPA attention core; this model runs "
+                         f"{model.config._attn_implementation!r} attention")
+    _register_selective_attention()
+    model.set_attn_implementation(SELECTIVE_ATTENTION)

@@ -37,7 +37,7 @@ from torch import nn
 from scalestudy.parallel.layout import stage_ranges
 from scalestudy.train.construct import (init_weights, materialise, model_class,
                                         parameters_on_meta, training_dtype)
-from scalestudy.train.model_factory import hf_config
+from scalestudy.train.model_factory import apply_recomputation, hf_config, selective_recompute
 
 # Megatron's block split (and transformers' LlamaConfig.base_model_tp_plan).
 TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
@@ -98,8 +98,7 @@ def build_stages(cfg: Any, device: torch.device, pp_rank: int, tp_mesh: Any = No
     torch.manual_seed(cfg.seed)
     with parameters_on_meta():  # nothing of the whole model is ever allocated
         full = model_class(dims)._from_config(config)
-    if cfg.activation_checkpointing:
-        full.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_recomputation(full, cfg.activation_checkpointing, selective_recompute(cfg))
     ranges = stage_ranges(cfg.stage_layers)
     n_stages = len(ranges)
     std = float(getattr(config, "initializer_range", 0.02))
