@@ -81,6 +81,7 @@ def calibrate(
     _check_calibrate_args(hardware, network_only, precision, across_nodes, local)
     from scalestudy.calibrate import across_nodes as nodes
     from scalestudy.calibrate.gpu import NoCudaDevice
+    from scalestudy.calibrate.reference_step import in_sample
     from scalestudy.perfmodel.fit_data import resolve_profile
     from scalestudy.spec import catalog
 
@@ -110,12 +111,31 @@ def calibrate(
         say(nodes.summary(profile))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     catalog.write_profile(profile, out_path)
+    replay = [] if network_only else in_sample(profile)
     if json_:
         emit_json([{"profile": str(out_path), "hardware": profile.name,
-                    "figures": {r["figure"]: r["value"] for r in _profile_rows(profile)}}])
+                    "figures": {r["figure"]: r["value"] for r in _profile_rows(profile)},
+                    "in_sample": [{"reference": r.name, "measured_s": r.measured_s,
+                                   "predicted_s": r.predicted_s} for r in replay]}])
         return
     print_table(_profile_rows(profile), ["figure", "value"], title=f"calibrated {hardware}")
+    _say_in_sample(replay)
     say(f"wrote {out_path} in {time.time() - t0:.0f} s; use it with --set hardware={out_path}")
+
+
+def _say_in_sample(replay) -> None:
+    """The reference steps as the new profile predicts them (in sample), and a warning for any it
+    cannot reproduce: a factor stopped at the end of its range, which a busy machine causes."""
+    if not replay:
+        return
+    say("in sample (the reference steps the factors were solved from): " + ", ".join(
+        f"{r.name} {r.error:+.1%}" for r in replay))
+    for r in replay:
+        if not r.reproduced:
+            say(f"warning: the profile predicts {r.name} at {r.predicted_s:.4g} s, measured "
+                f"{r.measured_s:.4g} s ({r.error:+.0%}): a factor stopped at the end of its range, "
+                "so predictions of such steps are off by as much; a benchmark may have run while "
+                "the machine was busy: calibrate again on a quiet machine")
 
 
 def _run(run_calibration, local: bool, base, quick: bool, precision, results_root: str):

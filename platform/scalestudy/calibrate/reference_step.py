@@ -28,11 +28,14 @@ tests prediction, not replay.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
+from dataclasses import dataclass
 
 from scalestudy.perfmodel.params import PER_PRECISION, params_for
 from scalestudy.perfmodel.predict import simulate
+from scalestudy.errors import SpecError
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.spec.load import validate_spec
 from scalestudy.spec.resolve import resolve_hardware
@@ -220,4 +223,50 @@ def _with_ratios(solved: dict[str, dict[str, float]]) -> dict[str, float]:
         out[name] = statistics.median(by_precision.values())
         if name in PER_PRECISION and len(by_precision) > 1 and out[name] > 0:
             out.update({f"{name}_ratio_{p}": v / out[name] for p, v in by_precision.items()})
+    return out
+
+
+# A profile's measured reference steps: reference_step_s_<precision>_ws<world>[_tp<n>|_pp<n>].
+_REFERENCE_KEY = re.compile(r"reference_step_s_(\w+?)_ws(\d+)(?:_(tp|pp)(\d+))?$")
+# An in-sample reference step the solved factors reproduce worse than this: one of them stopped at
+# the end of its range (a measured step faster than the model's parts allow, or slower than its
+# range), usually because a benchmark ran while the machine was busy.
+REPRODUCED = 0.10
+
+
+@dataclass(frozen=True)
+class InSample:
+    """A reference step the profile's factors were solved from, as the profile predicts it."""
+
+    name: str
+    measured_s: float
+    predicted_s: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted_s / self.measured_s - 1.0
+
+    @property
+    def reproduced(self) -> bool:
+        return abs(self.error) <= REPRODUCED
+
+
+def in_sample(profile: HardwareProfile) -> list[InSample]:
+    """Every measured reference step of a calibrated profile, predicted by that profile: what
+    calibrate solved its factors to reproduce (in sample, near 0 when no factor was clamped)."""
+    out = []
+    for key, measured in sorted(profile.calibration.items()):
+        m = _REFERENCE_KEY.match(key)
+        if m is None or not isinstance(measured, (int, float)) or measured <= 0:
+            continue
+        precision, world, kind, degree = m.group(1), int(m.group(2)), m.group(3), int(m.group(4) or 1)
+        try:
+            cfg = reference_config(precision, world, hardware=profile.name,
+                                   tp=degree if kind == "tp" else 1,
+                                   pp=degree if kind == "pp" else 1)
+        except SpecError:  # a profile named off the catalogue: its shape is not known here
+            continue
+        cfg = cfg.model_copy(update={"hardware_profile": profile, "hardware": profile.name})
+        step_s = simulate(cfg, params_for(profile))[0].step_s
+        out.append(InSample(f"{cfg.run_name}-{precision}", float(measured), step_s))
     return out
