@@ -89,7 +89,7 @@ def across_nodes_loop(config: dict[str, Any]) -> None:
         torch.set_num_threads(1)  # one core per worker, as in trials
         deepspeed.init_distributed(dist_backend="gloo")
         sizes = QUICK_SIZES_BYTES if config["quick"] else SIZES_BYTES
-        curves = comm_curves(world, sizes, iters=8 if config["quick"] else 20)
+        curves = comm_curves(world, sizes, iters=16 if config["quick"] else 30)
     report_result({"world_size": world, "node_ids": gather_node_ids(), "comm": curves},
                   RESULT_FILE)
 

@@ -109,7 +109,7 @@ def benchmarks(config: dict[str, Any]) -> dict[str, Any]:
     else:
         sizes = QUICK_SIZES_BYTES if quick else SIZES_BYTES
         res["comm"] = say(f"collectives ({len(sizes)} sizes x 3 ops)",
-                          lambda: comm_curves(world, sizes, iters=8 if quick else 20))
+                          lambda: comm_curves(world, sizes, iters=16 if quick else 30))
     res["reference_step_s"] = {
         p: say(f"reference step {p} on {world} rank(s)",
                lambda p=p: reference_step.measure_step_s(p, steps=10 if quick else 20))
