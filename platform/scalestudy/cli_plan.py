@@ -36,8 +36,8 @@ def plan(
         "--usd-per-device-hour", help="price of one device-hour (default: the catalogue's)")] = None,
     space: Annotated[str, typer.Option(
         "--space", help="free axes, comma-separated: zero, tp, pp, micro_batch, recompute; and "
-        "the layout options cp, sp (sequence parallelism), gather (ZeRO-3 per module or per "
-        "block), selective (selective recomputation)")
+        "the layout options cp, sp (sequence parallelism), gather_granularity (ZeRO-3 per module "
+        "or per block), selective (selective recomputation)")
     ] = "zero,tp,pp,micro_batch,recompute",  # plan/space.py's DEFAULT_SPACE (not imported: startup)
     top_k: Annotated[Optional[int], typer.Option(
         "--top-k", min=1, help="layouts measured per round (default 3); with --dry-run, layouts "

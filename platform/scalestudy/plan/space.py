@@ -32,10 +32,10 @@ PLAN_COLUMNS = ["rank", "trial", "family", "dp", "tp", "pp", "zero_stage", "micr
                 M.PEAK_MEMORY_GIB]
 # Axes `--space` may free; the others stay at their single value. The default space frees the
 # first five; the layout options of issue 35 are asked for by name: cp (context-parallel degree),
-# sp (Megatron sequence parallelism, with tp > 1), gather (ZeRO-3's gathers per module or per
-# block), selective (selective recomputation beside none and full; with recompute).
+# sp (Megatron sequence parallelism, with tp > 1), gather_granularity (ZeRO-3 gathers per module
+# or per block), selective (selective recomputation beside none and full; with recompute).
 DEFAULT_SPACE = ("zero", "tp", "pp", "micro_batch", "recompute")
-FREE_AXES = (*DEFAULT_SPACE, "cp", "sp", "gather", "selective")
+FREE_AXES = (*DEFAULT_SPACE, "cp", "sp", "gather_granularity", "selective")
 MAX_LAYOUTS = 100_000
 
 
@@ -123,7 +123,7 @@ def _layout_options(free: set[str], n: int, per_node: int) -> dict[str, list]:
         out["cp"] = [c for c in _powers(min(per_node, n)) if n % c == 0]
     if "sp" in free:
         out["sequence_parallel"] = [False, True]
-    if "gather" in free:
+    if "gather_granularity" in free:
         out["gather_granularity"] = ["module", "block"]
     return out
 
