@@ -125,7 +125,8 @@ def calibrate(
 
 def _say_in_sample(replay) -> None:
     """The reference steps as the new profile predicts them (in sample), and a warning for any it
-    cannot reproduce: a factor stopped at the end of its range, which a busy machine causes."""
+    cannot reproduce: a factor stopped at the end of its range (a busy machine causes it), or one
+    kept as a single value differs between the precisions."""
     if not replay:
         return
     say("in sample (the reference steps the factors were solved from): " + ", ".join(
@@ -133,9 +134,10 @@ def _say_in_sample(replay) -> None:
     for r in replay:
         if not r.reproduced:
             say(f"warning: the profile predicts {r.name} at {r.predicted_s:.4g} s, measured "
-                f"{r.measured_s:.4g} s ({r.error:+.0%}): a factor stopped at the end of its range, "
-                "so predictions of such steps are off by as much; a benchmark may have run while "
-                "the machine was busy: calibrate again on a quiet machine")
+                f"{r.measured_s:.4g} s ({r.error:+.0%}): a factor stopped at the end of its range "
+                "(or differs between precisions), so predictions of such steps are off by as much; "
+                "a benchmark may have run while the machine was busy: calibrate again on a quiet "
+                "machine")
 
 
 def _run(run_calibration, local: bool, base, quick: bool, precision, results_root: str):

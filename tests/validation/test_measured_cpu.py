@@ -82,7 +82,7 @@ def test_in_sample_reference_steps(calibrated):
     rows = in_sample(calibrated)
     for r in rows:
         print(f"{r.name:34s} {r.measured_s:11.4f} {r.predicted_s:10.4f} {r.error:+7.1%}"
-              + ("" if r.reproduced else "  (not reproduced: a factor at its bound)"))
+              + ("" if r.reproduced else "  (not reproduced: calibrate warned)"))
     assert len(rows) >= len(PRECISIONS)
 
 

@@ -230,7 +230,8 @@ def _with_ratios(solved: dict[str, dict[str, float]]) -> dict[str, float]:
 _REFERENCE_KEY = re.compile(r"reference_step_s_(\w+?)_ws(\d+)(?:_(tp|pp)(\d+))?$")
 # An in-sample reference step the solved factors reproduce worse than this: one of them stopped at
 # the end of its range (a measured step faster than the model's parts allow, or slower than its
-# range), usually because a benchmark ran while the machine was busy.
+# range), usually because a benchmark ran while the machine was busy; or a factor the profile keeps
+# as one value for every precision (not in params.PER_PRECISION) was solved apart.
 REPRODUCED = 0.10
 
 

@@ -301,8 +301,9 @@ def compute_times(cfg: TrialConfig, p: ModelParams) -> ComputeTimes:
         layer_f += MODULES_PER_LAYER[dims.architecture] * p.zero3_module_overhead_s
         layer_b += MODULES_PER_LAYER[dims.architecture] * p.zero3_module_overhead_s
     if cfg.pp > 1:  # a stage under torch pipelining, not a whole-model engine step (params.py)
+        stage = p.pipeline_compute_factor * precision_ratio(hw, "pipeline_compute_factor", prec)
         fwd, bwd, recompute, layer_f, layer_b = (
-            x * p.pipeline_compute_factor for x in (fwd, bwd, recompute, layer_f, layer_b))
+            x * stage for x in (fwd, bwd, recompute, layer_f, layer_b))
     if min(cfg.world_size, cfg.hardware_profile.gpus_per_node) > 1:
         # every device of the node busy at once
         shared = p.shared_node_slowdown * precision_ratio(hw, "shared_node_slowdown", prec)

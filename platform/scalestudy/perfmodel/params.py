@@ -160,10 +160,13 @@ FIELDS = tuple(ModelParams.model_fields)
 # Factors calibrate solves per precision from the reference steps of each (calibrate/
 # reference_step.py). Where bf16 is emulated its kernels differ from fp32's in what a hot
 # microbenchmark misses (GEMM layouts 10x apart, 2026-12-04) and in how long each rank computes
-# between two TP all-reduces, which sets how long each waits for the slower one. The profile keeps
-# one value per field (the median over precisions, what `fit` refits) and, per precision, its
-# ratio to it: calibration key `<field>_ratio_<precision>`.
-PER_PRECISION = ("in_step_slowdown", "shared_node_slowdown", "tp_collective_overhead_s")
+# between two TP all-reduces, which sets how long each waits for the slower one; the pipeline
+# factor likewise (solved 20% apart between fp32 and emulated bf16 in one calibration, 2026-12-07,
+# so a median for both left each precision's pipeline reference 9-11% off in sample). The profile
+# keeps one value per field (the median over precisions, what `fit` refits) and, per precision,
+# its ratio to it: calibration key `<field>_ratio_<precision>`.
+PER_PRECISION = ("in_step_slowdown", "shared_node_slowdown", "tp_collective_overhead_s",
+                 "pipeline_compute_factor")
 
 
 def without_precision_ratios(calibration: dict) -> dict:
