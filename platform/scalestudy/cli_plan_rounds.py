@@ -51,14 +51,13 @@ def _measure(loop: PlanLoop, req: PlanRequest, profile: HardwareProfile,
     """Every round of `loop` in one Ray Tune experiment (sweep/plan_search.py's searcher) over the
     space's study: its warm groups, one ledger and one MLflow parent run for the whole plan. Returns
     how many results were taken from the ledger instead of run."""
-    from scalestudy.sweep.driver import DONE_STATUSES, run_sweep
+    from scalestudy.sweep.driver import finished_rows, run_sweep
     from scalestudy.sweep.plan_search import PlanSearcher
     from scalestudy.track.ledger import Ledger, ledger_path, row_to_result
 
     spec = space_spec(req, profile, **settings)
-    done = {s.value for s in DONE_STATUSES}
     known = {r["trial_id"]: row_to_result(r)
-             for r in Ledger(ledger_path(spec.name, results_root)).rows() if r.get("status") in done}
+             for r in finished_rows(Ledger(ledger_path(spec.name, results_root)))}
     # --json keeps stdout for the rows: the rounds are announced only to a reader
     searcher = PlanSearcher(loop, spec, known, announce=_announce if show else None)
     text = yaml.safe_dump({"plan": req.model_dump(mode="json"), "top_k": loop.top_k,

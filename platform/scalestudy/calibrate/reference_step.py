@@ -33,9 +33,9 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from scalestudy.errors import SpecError
 from scalestudy.perfmodel.params import PER_PRECISION, params_for
 from scalestudy.perfmodel.predict import simulate
-from scalestudy.errors import SpecError
 from scalestudy.spec.catalog import HardwareProfile
 from scalestudy.spec.load import validate_spec
 from scalestudy.spec.resolve import resolve_hardware

@@ -141,6 +141,12 @@ class Recorder:
         return unlogged
 
 
+def finished_rows(ledger: Ledger) -> list[dict]:
+    """The ledger's rows of trials that ended (DONE_STATUSES): what a resumed sweep skips."""
+    finished = {s.value for s in DONE_STATUSES}
+    return [r for r in ledger.rows() if r.get("status") in finished]
+
+
 def run_sweep(
     spec: StudySpec,
     planned: list[PlanEntry],
@@ -157,8 +163,7 @@ def run_sweep(
     as it asks for; nothing is recorded for the entries it never suggests."""
     t0 = time.time()
     ledger = Ledger(ledger_path(spec.name, results_root))
-    finished = {s.value for s in DONE_STATUSES}
-    done = {r["trial_id"] for r in ledger.rows() if r.get("status") in finished} if resume else set()
+    done = {r["trial_id"] for r in finished_rows(ledger)} if resume else set()
     todo = [p for p in planned if p.config.trial_id not in done]
     outcome = SweepOutcome(skipped=len(planned) - len(todo), ledger=ledger.path)
     if spec.backend is Backend.measure:
