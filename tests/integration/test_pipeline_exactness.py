@@ -70,6 +70,8 @@ def _rank_main(rank: int, jobs: list[tuple[str, dict]], folder: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from tests.fixtures.ranks import leave
+
     torch.set_num_threads(1)
     for name, layout in jobs:
         cfg = config(layout)
@@ -86,6 +88,7 @@ def _rank_main(rank: int, jobs: list[tuple[str, dict]], folder: str) -> None:
             dist.destroy_process_group()
         if rank == 0:
             Path(folder, f"{name}.json").write_text(json.dumps(result))
+    leave()
 
 
 @pytest.fixture(scope="module")

@@ -101,6 +101,7 @@ def _rank_main(rank: int, jobs: dict, port: int, out: str) -> None:
 
     from scalestudy.train.host_memory import retain_freed_memory
     from scalestudy.train.schedules import measure_steps
+    from tests.fixtures.ranks import leave
 
     retain_freed_memory()  # as every CPU trial process (train/process.py)
     torch.set_num_threads(1)
@@ -112,6 +113,7 @@ def _rank_main(rank: int, jobs: dict, port: int, out: str) -> None:
     dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
+    leave()
 
 
 def _measure(jobs: dict, folder: Path) -> dict:
