@@ -195,12 +195,31 @@ def test_software_efficiency_scales_a_compute_bound_step():
 # Memory: the one memory rule takes these layouts' activations from memory_layouts.py --------------
 
 @pytest.mark.parametrize("kw", [dict(sequence_parallel=True), dict(cp=2, global_batch=128),
-                                dict(activation_checkpointing="selective"), dict(fp8=True)])
+                                dict(activation_checkpointing="selective", sequence_parallel=True),
+                                dict(fp8=True)])
 def test_the_memory_model_prices_layout_options_with_their_terms(kw):
     cfg = _cfg(**kw)
     for fused in (True, False):
         assert memory.activation_bytes(cfg, fused) == pytest.approx(
             memory_layouts.activation_bytes(cfg, fused))
+
+
+def test_selective_recompute_alone_frees_the_hugging_face_attention_core():
+    """Selective recomputation without the Megatron-only options is what the measure backend runs
+    (the SDPA core under torch's checkpoint): every block keeps what it keeps without recompute but
+    the core's own tensors -- SDPA's output, and with eager attention the softmax -- which is a
+    little below none and far above full (Hugging Face's Llama; memory_measured.yaml's sel-*)."""
+    full, sel, none = (_cfg(activation_checkpointing=v, tp=1, world_size=8, global_batch=8)
+                       for v in ("full", "selective", "none"))
+    dims, s, b, a = sel.model_dims, 4096, 1, 2
+    layers = dims.num_layers
+    for fused in (True, False):
+        u_full, u_sel, u_none = (memory.activation_bytes(c, fused) for c in (full, sel, none))
+        core = a * dims.hidden_size + (0 if fused else (4 + a) * dims.num_heads * s)
+        assert u_none - u_sel == pytest.approx(layers * s * b * core)
+        assert u_full < u_sel < u_none
+    # the SDPA output is a small share of a fused block (h of ~6h + 2k + 4f per token at 2 bytes)
+    assert 0.95 < memory.activation_bytes(sel) / memory.activation_bytes(none) < 1.0
 
 
 def test_interleaved_and_fp8_activation_memory():

@@ -96,7 +96,7 @@ def test_cpu_constants_come_from_the_trials_that_are_not_scored():
 def test_the_table_spans_what_the_issue_asks():
     sets = [" ".join(t["set"]) for t in _group("scored")[1]]
     for needed in ("zero_stage=0", "zero_stage=1", "zero_stage=2", "zero_stage=3", "tp=2",
-                   "activation_checkpointing=true"):
+                   "activation_checkpointing=true", "activation_checkpointing=selective"):
         assert any(needed in s for s in sets), needed
     assert len({s.split("micro_batch=")[1].split()[0] for s in sets}) >= 3
 

@@ -46,10 +46,12 @@ Activations, per layer and token, as autograd saves them for backward in Hugging
   alive through the backward while log-softmax's output, its incoming gradient and its result are
   fp32: (a + 12) V per token (in fp32, 16 V: what glibc's live bytes rose by when a CPU trial's
   backward began, measured with mallinfo2 while preparing tests/validation/test_memory_measured.py).
-  Full checkpointing keeps each layer's input (a h) plus one layer's activations being recomputed.
+  Full checkpointing keeps each layer's input (a h) plus one layer's activations being recomputed;
+  selective recomputation (the attention core under checkpoint) keeps all but the core's own
+  tensors: SDPA's output, a h / t (and eager attention's softmax).
   GPT-style blocks (HF OPT) keep Korthikanti et al. 2022's 10 + 24/t coefficient. Layouts that only
-  published runs use (sequence/context parallelism, FP8, selective recomputation, interleaving) are
-  memory_layouts.py's, which follows Korthikanti throughout. Pipeline 1F1B keeps min(pp, grad_accum)
+  published runs use (sequence/context parallelism, FP8, interleaving) are memory_layouts.py's,
+  which follows Korthikanti throughout (selective recomputation included, with them). Pipeline 1F1B keeps min(pp, grad_accum)
   micro-batches of the first stage's layers alive (Korthikanti sec. 4.2.3).
 
 What the runtime adds (with sources at each constant): the CUDA context and NCCL's buffers per
@@ -195,10 +197,21 @@ def model_states_bytes(cfg: TrialConfig) -> tuple[float, float, float]:
 def _llama_layer_bytes(dims: ModelDims, s: int, b: int, t: int, a: int, fused: bool) -> float:
     """Bytes Hugging Face's Llama block saves for backward (module doc), per micro-batch."""
     h, f, k = dims.hidden_size, dims.ffn, dims.kv_heads * dims.head_dim
-    per_token = 2 * (4 + 2 * a) * h + a * (3 * h + 2 * k) / t + 4 * a * f / t
-    if not fused:  # eager attention: fp32 softmax output, and its a-byte copy below fp32
-        per_token += (4 + (a if a != 4 else 0)) * dims.num_heads * s / t
-    return s * b * per_token
+    # attention: q, k, v and o_proj's input here; SDPA's own output in the core's bytes
+    per_token = 2 * (4 + 2 * a) * h + a * (2 * h + 2 * k) / t + 4 * a * f / t
+    return s * b * (per_token + _attention_core_bytes(dims, s, t, a, fused))
+
+
+def _attention_core_bytes(dims: ModelDims, s: int, t: int, a: int, fused: bool) -> float:
+    """Per token, what the attention core alone saves: SDPA's output (h, the kernel's backward
+    needs it; o_proj saves its own contiguous copy), and with eager attention the fp32 softmax
+    output and its a-byte copy below fp32. Selective recomputation frees exactly this: the core
+    runs under torch's checkpoint (train/model_factory.py), which saves only its inputs, the
+    q, k and v the block keeps anyway."""
+    core = a * dims.hidden_size / t
+    if not fused:
+        core += (4 + (a if a != 4 else 0)) * dims.num_heads * s / t
+    return core
 
 
 def activation_bytes_per_layer(
@@ -213,12 +226,17 @@ def activation_bytes_per_layer(
     return s * b * h * coeff * act_bytes / 2.0
 
 
+def _selective(cfg: TrialConfig) -> bool:
+    return bool(cfg.activation_checkpointing) and getattr(
+        getattr(cfg, "recompute_granularity", None), "value", "full") == "selective"
+
+
 def _published_layout(cfg: TrialConfig) -> bool:
-    """Layout options only published runs (Megatron-style stacks) use: memory_layouts.py's."""
-    selective = getattr(getattr(cfg, "recompute_granularity", None), "value", "full") == "selective"
+    """Layout options only published runs (Megatron-style stacks) use: memory_layouts.py's.
+    Selective recomputation alone is not one of them: the measure backend runs it on a Hugging
+    Face model (tests/validation/data/memory_measured.yaml's sel-* trials)."""
     return bool(getattr(cfg, "sequence_parallel", False) or getattr(cfg, "cp", 1) > 1
-                or getattr(cfg, "fp8", False) or (cfg.activation_checkpointing and selective)
-                or (getattr(cfg, "virtual_stages", 1) or 1) > 1)
+                or getattr(cfg, "fp8", False) or (getattr(cfg, "virtual_stages", 1) or 1) > 1)
 
 
 def activation_bytes(cfg: TrialConfig, fused_attention: bool = True) -> float:
@@ -232,7 +250,10 @@ def activation_bytes(cfg: TrialConfig, fused_attention: bool = True) -> float:
     per_layer = activation_bytes_per_layer(dims, s, b, cfg.tp, a, fused_attention)
     in_flight = min(cfg.pp, cfg.grad_accum) if cfg.pp > 1 else 1
     layers = in_flight * (dims.num_layers // cfg.pp)
-    if cfg.activation_checkpointing:  # layer inputs kept, one layer recomputed at a time
+    if _selective(cfg):  # every block's activations but its attention core's (recomputed)
+        body = layers * (per_layer - s * b * _attention_core_bytes(dims, s, cfg.tp, a,
+                                                                   fused_attention))
+    elif cfg.activation_checkpointing:  # layer inputs kept, one layer recomputed at a time
         body = layers * s * b * h * a + per_layer
     else:
         body = layers * per_layer
