@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -151,9 +152,13 @@ tracking: {{mlflow_uri: "{uri}"}}
     first = {r["trial_id"] for r in ledger.rows()}
     assert 1 <= len(first) < 3
 
-    done = subprocess.run(cmd + ["--resume"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=400)
+    # --json: stdout holds the results alone, one object per line (Ray Tune's banner, which Ray
+    # 2.60 prints to stdout at every verbosity, goes to stderr: sweep/tune_runner.run_tune)
+    done = subprocess.run(cmd + ["--resume", "--json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-2000:]
+    printed = [json.loads(line) for line in done.stdout.splitlines()]
+    assert printed and {r["trial_id"] for r in printed} <= {r["trial_id"] for r in ledger.rows()}
     rows = ledger.rows()
     assert sorted(r["zero_stage"] for r in rows) == [0, 1, 2]
     assert all(r["status"] == "completed" for r in rows)
