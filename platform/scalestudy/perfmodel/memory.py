@@ -51,8 +51,9 @@ Activations, per layer and token, as autograd saves them for backward in Hugging
   tensors: SDPA's output, a h / t (and eager attention's softmax).
   GPT-style blocks (HF OPT) keep Korthikanti et al. 2022's 10 + 24/t coefficient. Layouts that only
   published runs use (sequence/context parallelism, FP8, interleaving) are memory_layouts.py's,
-  which follows Korthikanti throughout (selective recomputation included, with them). Pipeline 1F1B keeps min(pp, grad_accum)
-  micro-batches of the first stage's layers alive (Korthikanti sec. 4.2.3).
+  which follows Korthikanti throughout (selective recomputation too, when combined with them).
+  Pipeline 1F1B keeps min(pp, grad_accum) micro-batches of the first stage's layers alive
+  (Korthikanti sec. 4.2.3).
 
 What the runtime adds (with sources at each constant): the CUDA context and NCCL's buffers per
 communicator on a GPU, the worker process itself on a CPU, and the allocator's fragmentation on both.
