@@ -69,9 +69,9 @@ def test_usd_objective_uses_the_catalogue_price_or_asks_for_one():
 
 
 def test_layout_options_free_by_name_and_impossible_ones_refused_per_layout(tmp_path):
-    """--space cp,sp,gather_granularity,selective: the spec's layout options become axes of the space; what
-    cannot be (sp without tp, block gathers below ZeRO-3) is refused per layout with its reason,
-    and a plan.yaml of a layout with options names them so a sweep runs that layout."""
+    """--space cp,sp,gather_granularity,selective: the spec's layout options become axes of the
+    space; what cannot be (sp without tp, block gathers below ZeRO-3) is refused per layout with its
+    reason, and a plan.yaml of a layout with options names them so a sweep runs that layout."""
     from scalestudy.cli_plan_rounds import write_plan_yaml
     from scalestudy.plan import plan_study
     from scalestudy.plan.rounds import Measured, PlanOutcome
@@ -81,9 +81,10 @@ def test_layout_options_free_by_name_and_impossible_ones_refused_per_layout(tmp_
     base = dict(model="llama2-7b", hardware="h100-80gb", devices=64, global_batch=256,
                 space=("zero", "tp"))
     plain = rank(PlanRequest(**base))
-    req = PlanRequest(**{**base, "space": ("zero", "tp", "cp", "sp", "gather_granularity", "selective")})
+    options = ("cp", "sp", "gather_granularity", "selective")
+    req = PlanRequest(**{**base, "space": ("zero", "tp", *options)})
     ranked = rank(req)
-    assert len(ranked) == len(plain) * 4 * 2 * 2 * 3  # cp 1-8, sp, gather granularity, recompute x3
+    assert len(ranked) == len(plain) * 4 * 2 * 2 * 3  # cp 1-8, sp, gather granularity, 3 recomputes
     fit = [r.entry.config for r in ranked if r.feasible]
     assert all(c.tp > 1 for c in fit if c.sequence_parallel)
     assert all(c.zero_stage == 3 for c in fit if c.gather_granularity.value == "block")

@@ -67,7 +67,7 @@ from dataclasses import dataclass, fields
 from scalestudy.errors import InfeasibleTrial, ReasonClass
 from scalestudy.parallel.deepspeed_config import REDUCE_BUCKET_ELEMENTS
 from scalestudy.perfmodel import zero3
-from scalestudy.perfmodel.layouts import autotp
+from scalestudy.perfmodel.layouts import autotp, selective
 from scalestudy.perfmodel.params import params_for
 from scalestudy.spec.catalog import ModelDims, Precision
 from scalestudy.spec.study import TrialConfig
@@ -227,11 +227,6 @@ def activation_bytes_per_layer(
     return s * b * h * coeff * act_bytes / 2.0
 
 
-def _selective(cfg: TrialConfig) -> bool:
-    return bool(cfg.activation_checkpointing) and getattr(
-        getattr(cfg, "recompute_granularity", None), "value", "full") == "selective"
-
-
 def _published_layout(cfg: TrialConfig) -> bool:
     """Layout options only published runs (Megatron-style stacks) use: memory_layouts.py's.
     Selective recomputation alone is not one of them: the measure backend runs it on a Hugging
@@ -251,7 +246,7 @@ def activation_bytes(cfg: TrialConfig, fused_attention: bool = True) -> float:
     per_layer = activation_bytes_per_layer(dims, s, b, cfg.tp, a, fused_attention)
     in_flight = min(cfg.pp, cfg.grad_accum) if cfg.pp > 1 else 1
     layers = in_flight * (dims.num_layers // cfg.pp)
-    if _selective(cfg):  # every block's activations but its attention core's (recomputed)
+    if selective(cfg):  # every block's activations but its attention core's (recomputed)
         body = layers * (per_layer - s * b * _attention_core_bytes(dims, s, cfg.tp, a,
                                                                    fused_attention))
     elif cfg.activation_checkpointing:  # layer inputs kept, one layer recomputed at a time
