@@ -14,7 +14,8 @@ Ray), measured as the platform records memory on a CPU: the largest rank's peak 
 * test_live_trials_reproduce_the_table (slow): all 12+ trials take about 15 minutes on this 2-core
   machine, more than the suite can spend, so a representative subset (LIVE: ZeRO 0 and 3, tp 2,
   checkpointing) is measured again here, one after another, and held both to the estimate (BOUND)
-  and to the recorded figure (REPRODUCE), which shows the table is this code's measurement.
+  and to the recorded figure (REPRODUCE, wide enough for another CPU's heap), which shows the table
+  is this code's measurement.
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ import measure_memory as mm  # noqa: E402  (the script that writes the table)
 from scalestudy.perfmodel import memory  # noqa: E402
 
 BOUND = 0.15
-REPRODUCE = 0.06  # a trial's peak RSS across runs on this machine: within ~2%
+# The recorded figure against a live one. On the machine kind that recorded the table a trial's
+# peak RSS repeats within ~5% (AMD EPYC, 2026-12-07: z0-w2-mb4 1.654, 1.665, 1.684, 1.666 GiB
+# against 1.681; tp2-z3-w2-mb2 -4.7% in one run); on CI's machine at stop 40, z0-w2-mb4 came back
+# 6.3% higher (1.787 GiB): the heap's and the math libraries' share of a CPU process is not the
+# same on every CPU. The bound covers both; the estimate's bound (BOUND) is held against the live
+# figure on whatever machine runs the test.
+REPRODUCE = 0.10
 LIVE = ("z0-w1-mb1", "tp2-z3-w2-mb2", "z3-w2-mb1-ckpt", "z0-w2-mb4")
 KNOWN_MISS_BOUND = 2 * BOUND  # a recorded known miss (its `known_miss` says why) may not drift further
 DATA = yaml.safe_load(mm.DATA.read_text())
@@ -114,6 +121,7 @@ def test_live_trials_reproduce_the_table():
         rows.append((trial, est, measured))
         drift.append((trial_id, measured / trial["peak_memory_gib"] - 1))
     _print(rows)
+    print(f"live on '{mm.cpu_model()}', table from '{DATA['measured']['cpu_model']}'")
     print("against the table: " + ", ".join(f"{i} {d:+.1%}" for i, d in drift))
     assert all(abs(d) <= REPRODUCE for _, d in drift), drift
     assert all(abs(est.total_gib / m - 1) <= (KNOWN_MISS_BOUND if t.get("known_miss") else BOUND)
