@@ -23,38 +23,45 @@ def _median_time(fn, warmup: int = 2, min_iters: int = 5, min_time_s: float = 0.
     return statistics.median(times)
 
 
-GEMM_ROUNDS = 4
+GEMM_ROUNDS_EMULATED = 4  # where bf16 is emulated (below); one window per shape elsewhere
 
 
 def gemm_curve(dtype_name: str, shapes: list[tuple[int, int, int]],
-               rounds: int = GEMM_ROUNDS) -> list[list[float]]:
+               rounds: int | None = None) -> list[list[float]]:
     """[FLOPs of one GEMM, TFLOP/s] per (tokens m, in k, out n): the mean rate of the three GEMMs an
     nn.Linear runs in training, in their own layouts: forward x @ W.T, input gradient g @ W, weight
     gradient g.T @ x. Where bf16 is emulated the layouts differ up to tenfold (2026-12-04, EPYC with
     oneDNN held to AVX2, 512 x 128 x 352: 10.5, 3.4 and 35.6 GFLOP/s; a plain (m,k) @ (k,n) 3.5),
     and timing one layout alone predicted the held-out bf16 trials 5-7x too slow.
 
-    Each shape is timed in `rounds` short windows, the shapes taking turns, and its time is the mean
-    of its windows: a trial's step averages its GEMMs over seconds, and on a shared 2-core VM the
-    emulated-bf16 rate flips between two levels 1.5-2x apart every few seconds (2026-12-07, AMD
-    EPYC without native bf16: 96 x 64 x 64 at 2.6 / 1.8 / 10 or 4.0 / 3.0 / 20 GFLOP/s per layout,
-    the same tensors, seconds apart), so one window per shape caught one level or the other. Six
-    quick bf16 curves each way, alternating in one process, read at seven gpt2-tiny GEMM shapes that
-    calibration never runs: one window per shape 14.3% CV between curves (11.6 s a curve), four
-    rounds 6.4% (14.8 s); fp32 5.7% and 6.5% (0.7 and 1.0 s), the same within the noise."""
+    Emulated bf16 is also timed in `rounds` short windows per shape, the shapes taking turns, and
+    its time is the mean of its windows: a trial's step averages its GEMMs over seconds, and on a
+    shared 2-core VM the emulated-bf16 rate flips between two levels 1.5-2x apart every few seconds
+    (2026-12-07, AMD EPYC without native bf16: 96 x 64 x 64 at 2.6 / 1.8 / 10 or 4.0 / 3.0 / 20
+    GFLOP/s per layout, the same tensors, seconds apart), so one window per shape caught one level
+    or the other. Six quick bf16 curves each way, alternating in one process, read at seven
+    gpt2-tiny GEMM shapes that calibration never runs: one window per shape 14.3% CV between curves
+    (11.6 s a curve), four rounds 6.4% (14.8 s). fp32 gained nothing from rounds (5.7% and 6.5%,
+    0.7 and 1.0 s) and keeps its one window per shape, as native bf16 does."""
     import torch
 
+    from scalestudy.spec.precision import cpu_has_native_bf16
+
     dtype = _dtype(dtype_name)
+    if rounds is None:
+        emulated = dtype == torch.bfloat16 and not cpu_has_native_bf16()
+        rounds = GEMM_ROUNDS_EMULATED if emulated else 1
     times = {s: 0.0 for s in shapes}
     layouts = {}
     for m, k, n in shapes:
         x, w, g = (torch.randn(*shape, dtype=dtype) for shape in ((m, k), (n, k), (m, n)))
         layouts[(m, k, n)] = (lambda x=x, w=w: torch.mm(x, w.t()), lambda g=g, w=w: torch.mm(g, w),
                               lambda g=g, x=x: torch.mm(g.t(), x))
+    window = {} if rounds == 1 else {"min_iters": 2, "min_time_s": 0.02}
     for r in range(rounds):
         for shape, fns in layouts.items():
-            times[shape] += sum(_median_time(fn, warmup=1 if r == 0 else 0, min_iters=2,
-                                             min_time_s=0.02) for fn in fns) / rounds
+            warmup = {} if rounds == 1 else {"warmup": 1 if r == 0 else 0}
+            times[shape] += sum(_median_time(fn, **warmup, **window) for fn in fns) / rounds
     return sorted([2.0 * m * k * n, 3 * 2.0 * m * k * n / times[(m, k, n)] / 1e12]
                   for m, k, n in shapes)
 
