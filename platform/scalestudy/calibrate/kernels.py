@@ -57,11 +57,10 @@ def gemm_curve(dtype_name: str, shapes: list[tuple[int, int, int]],
         x, w, g = (torch.randn(*shape, dtype=dtype) for shape in ((m, k), (n, k), (m, n)))
         layouts[(m, k, n)] = (lambda x=x, w=w: torch.mm(x, w.t()), lambda g=g, w=w: torch.mm(g, w),
                               lambda g=g, x=x: torch.mm(g.t(), x))
-    window = {} if rounds == 1 else {"min_iters": 2, "min_time_s": 0.02}
-    for r in range(rounds):
+    for r in range(rounds):  # one round: _median_time's own window, as before the rounds
+        window = {} if rounds == 1 else {"warmup": int(r == 0), "min_iters": 2, "min_time_s": 0.02}
         for shape, fns in layouts.items():
-            warmup = {} if rounds == 1 else {"warmup": 1 if r == 0 else 0}
-            times[shape] += sum(_median_time(fn, **warmup, **window) for fn in fns) / rounds
+            times[shape] += sum(_median_time(fn, **window) for fn in fns) / rounds
     return sorted([2.0 * m * k * n, 3 * 2.0 * m * k * n / times[(m, k, n)] / 1e12]
                   for m, k, n in shapes)
 
